@@ -1,0 +1,18 @@
+# Decide whether the CUDA kernels are built. AUTO builds them iff a CUDA compiler is found;
+# ON makes a missing nvcc an error; OFF never looks. Result: ZEROINFER_WITH_CUDA (ON/OFF).
+set(ZEROINFER_WITH_CUDA OFF)
+string(TOUPPER "${ZEROINFER_CUDA}" _zi_cuda)
+if(NOT _zi_cuda STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    set(CMAKE_CUDA_ARCHITECTURES "${ZEROINFER_CUDA_ARCHS}")
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(ZEROINFER_WITH_CUDA ON)
+  elseif(_zi_cuda STREQUAL "ON")
+    message(FATAL_ERROR "ZEROINFER_CUDA=ON but no CUDA compiler (nvcc) was found")
+  else()
+    message(STATUS "zeroinfer: no CUDA compiler found; building the CPU kernels only")
+  endif()
+endif()

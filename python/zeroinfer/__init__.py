@@ -1,0 +1,35 @@
+"""zeroinfer: a kernel-first inference engine for DeepSeek-V4-class mixture-of-experts models."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict[str, object]:
+    """Which backends zeroinfer._C was compiled with, and which GPU (if any) it can use.
+
+    Keys: version, cpu (always True), cpu_threads, cuda (CUDA kernels compiled), cuda_archs,
+    cuda_devices (list of descriptions of usable devices; empty without a driver or GPU),
+    gpu_usable, ascend (AscendC kernels compiled; False wherever CANN is absent) and
+    ascend_reason.
+    """
+    from zeroinfer import _C
+
+    devices: list[str] = []
+    if _C.WITH_CUDA:
+        devices = [_C.cuda_device_description(i) for i in range(_C.cuda_device_count())]
+    return {
+        "version": _C.VERSION,
+        "cpu": True,
+        "cpu_threads": _C.num_threads(),
+        "cuda": bool(_C.WITH_CUDA),
+        "cuda_archs": _C.CUDA_ARCHS,
+        "cuda_devices": devices,
+        "gpu_usable": bool(devices),
+        "ascend": bool(_C.WITH_ASCEND),
+        "ascend_reason": "no AscendC kernels are built: the CANN toolkit (bisheng) is required "
+        "and none was found at build time; see ascend/README.md",
+    }
+
+
+__all__ = ["__version__", "build_info"]

@@ -1,0 +1,1 @@
+"""zeroinfer.ops: one public function per kernel family (being filled in)."""

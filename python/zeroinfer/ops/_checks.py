@@ -1,0 +1,70 @@
+"""Argument checks shared by every op. Each failure names the argument and what was expected,
+because the C++ behind the op trusts what it is given."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t: object,
+    *,
+    dtypes: Sequence[torch.dtype],
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Validate one tensor argument; returns it. `shape` entries of None match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{op}: {name} must have dtype {want}, got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                expect = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+                raise ValueError(
+                    f"{op}: {name} must have shape {expect}, got {tuple(t.shape)} (dim {i})"
+                )
+    if device is not None and t.device != device:
+        raise ValueError(f"{op}: {name} must be on {device} like the other inputs, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (call .contiguous() first)")
+    return t
+
+
+def check_positive_int(op: str, name: str, v: object, *, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {v}")
+    return v
+
+
+def check_float(op: str, name: str, v: object, *, positive: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{op}: {name} must be a float, got {type(v).__name__}")
+    v = float(v)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"{op}: {name} must be finite, got {v}")
+    if positive and v <= 0:
+        raise ValueError(f"{op}: {name} must be > 0, got {v}")
+    return v
+
+
+def check_no_alias(op: str, outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+    """Outputs must not share memory with inputs (the kernels read inputs while writing)."""
+    for on, o in outputs.items():
+        for iname, i in inputs.items():
+            if i is not None and o.untyped_storage().data_ptr() == i.untyped_storage().data_ptr():
+                raise ValueError(f"{op}: output {on} must not alias input {iname}")

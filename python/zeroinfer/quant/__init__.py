@@ -1,0 +1,1 @@
+"""Packing helpers for the quantized formats of V4 checkpoints and caches."""

@@ -1,0 +1,1 @@
+"""Helpers shared by tests and benchmarks (timing, result files). Not used by the engine."""

@@ -1,0 +1,151 @@
+"""The one benchmark harness: timing, ceilings, the printed table and the JSON result file.
+
+Every bench/bench_<family>.py uses it, so all results carry the same fields:
+commit, machine, shapes, median time, bytes/FLOPs, achieved GB/s and TFLOP/s, and the fraction
+of the roofline floor max(bytes / bandwidth, flops / peak) with the ceilings MEASURED in the same
+run (never datasheet numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return out + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine_name(device: str = "cpu") -> str:
+    """Folder name under bench/results/: 'h200' for an H200, else e.g. 'cpu-2core'."""
+    if device == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        return "h200" if "h200" in name else name.replace("nvidia ", "").replace(" ", "-")
+    import os
+
+    return f"cpu-{os.cpu_count()}core"
+
+
+def time_cpu(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10) -> float:
+    """Median wall time in seconds of fn() on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+_L2_FLUSH: torch.Tensor | None = None
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
+              flush_l2: bool = True) -> float:
+    """Median time in seconds of fn() on the current CUDA stream, by CUDA events, with the L2
+    flushed (a 256 MiB memset, well over the H200's 60 MB L2) before every timed call."""
+    global _L2_FLUSH
+    if flush_l2 and _L2_FLUSH is None:
+        _L2_FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        if flush_l2:
+            _L2_FLUSH.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+
+
+def measure_cuda_ceilings() -> dict[str, float]:
+    """Measured in this run: device-to-device copy bandwidth (bytes read + written per second)
+    and dense bf16 matmul rate on random data, the ceilings the roofline fractions use."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t_copy = time_cuda(lambda: dst.copy_(src), warmup=3, reps=20, flush_l2=False)
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    t_mm = time_cuda(lambda: a @ b, warmup=3, reps=20, flush_l2=False)
+    del src, dst, a, b
+    return {"hbm_bytes_per_s": 2 * n / t_copy, "bf16_flops_per_s": 2 * m**3 / t_mm}
+
+
+def roofline_row(*, seconds: float, bytes_moved: float, flops: float,
+                 ceilings: dict[str, float] | None) -> dict[str, float | None]:
+    """Achieved rates and, when ceilings are known, the fraction of the floor
+    max(bytes / bandwidth, flops / peak) that the measured time reaches."""
+    row: dict[str, float | None] = {
+        "time_us": seconds * 1e6,
+        "bytes": bytes_moved,
+        "flops": flops,
+        "gbps": bytes_moved / seconds / 1e9,
+        "tflops": flops / seconds / 1e12,
+        "floor_us": None,
+        "fraction_of_floor": None,
+    }
+    if ceilings:
+        floor = max(bytes_moved / ceilings["hbm_bytes_per_s"],
+                    flops / ceilings["bf16_flops_per_s"])
+        row["floor_us"] = floor * 1e6
+        row["fraction_of_floor"] = floor / seconds
+    return row
+
+
+def print_table(rows: Sequence[dict[str, object]], columns: Sequence[str]) -> None:
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
+              for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_results(family: str, rows: Sequence[dict[str, object]], *, device: str,
+                  extra: dict[str, object] | None = None, out_dir: Path | None = None) -> Path:
+    """bench/results/<machine>/<family>.json with the commit, machine and every row."""
+    machine = machine_name(device)
+    folder = (out_dir or REPO / "bench" / "results") / machine
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "family": family,
+        "commit": git_commit(),
+        "machine": machine,
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+        or platform.machine(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **(extra or {}),
+        "rows": list(rows),
+    }
+    path = folder / f"{family}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path

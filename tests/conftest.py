@@ -1,0 +1,41 @@
+"""Test set-up shared by every test module.
+
+* `gpu`-marked tests skip cleanly unless zeroinfer._C has CUDA kernels and a CUDA device is usable.
+* `gen` gives each test a torch.Generator with a FRESH seed every run (inputs are never fixed),
+  printed so a failure can be replayed with ZEROINFER_TEST_SEED=<seed>.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+import torch
+
+
+def gpu_usable() -> bool:
+    from zeroinfer import _C
+
+    return bool(_C.WITH_CUDA) and _C.cuda_device_count() > 0 and torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_usable():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of zeroinfer._C")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    s = int(os.environ.get("ZEROINFER_TEST_SEED", secrets.randbits(31)))
+    print(f"[{request.node.nodeid}] ZEROINFER_TEST_SEED={s}")
+    return s
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
