@@ -1,1 +1,22 @@
-"""zeroinfer.ops: one public function per kernel family (being filled in)."""
+"""zeroinfer.ops: one public function per kernel family.
+
+Every op validates all of its arguments (raising TypeError/ValueError that name the argument),
+then runs the C++ CPU twin for CPU tensors or the CUDA kernel for CUDA tensors. Each has a
+float64 pure-torch reference, `<name>_ref`, which the tests use as the oracle.
+"""
+
+from zeroinfer.ops.dispatch_combine import MoeDispatch, moe_combine, moe_dispatch
+from zeroinfer.ops.length_correction import CorrectedLengths, correct_lengths
+from zeroinfer.reference.dispatch_combine import moe_combine_ref, moe_dispatch_ref
+from zeroinfer.reference.length_correction import correct_lengths_ref
+
+__all__ = [
+    "CorrectedLengths",
+    "MoeDispatch",
+    "correct_lengths",
+    "correct_lengths_ref",
+    "moe_combine",
+    "moe_combine_ref",
+    "moe_dispatch",
+    "moe_dispatch_ref",
+]

@@ -62,9 +62,21 @@ def check_float(op: str, name: str, v: object, *, positive: bool = False) -> flo
     return v
 
 
-def check_no_alias(op: str, outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
-    """Outputs must not share memory with inputs (the kernels read inputs while writing)."""
+def check_no_alias(op: str, outputs: dict[str, torch.Tensor],
+                   inputs: dict[str, torch.Tensor | None]) -> None:
+    """Outputs must not overlap inputs in memory (the kernels read inputs while writing)."""
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = t.data_ptr()
+        return start, start + t.numel() * t.element_size()
+
     for on, o in outputs.items():
+        if o.numel() == 0:
+            continue
+        o0, o1 = span(o)
         for iname, i in inputs.items():
-            if i is not None and o.untyped_storage().data_ptr() == i.untyped_storage().data_ptr():
+            if i is None or i.numel() == 0 or i.device != o.device:
+                continue
+            i0, i1 = span(i)
+            if o0 < i1 and i0 < o1:
                 raise ValueError(f"{op}: output {on} must not alias input {iname}")
