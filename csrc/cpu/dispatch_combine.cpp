@@ -33,7 +33,9 @@ float load_float(const void* base, DType dt, int64_t i) {
 }  // namespace
 
 int64_t moe_dispatch_capacity(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t tile) {
-  return num_tokens * topk + num_experts * (tile - 1);
+  // Only a non-empty expert gets a padded segment, and at most T*k experts are non-empty.
+  const int64_t pairs = num_tokens * topk;
+  return pairs + std::min(num_experts, pairs) * (tile - 1);
 }
 
 void moe_dispatch_cpu(const MoeDispatchParams& p) {

@@ -5,7 +5,7 @@
 //   a multiple of `tile` (the grouped GEMM's M tile), so segments are padded up to the tile.
 //   Inside a segment rows are in (token, k-slot) order: the order is a pure function of the
 //   ids, whatever the thread count or GPU schedule (batch-invariant, deterministic).
-//   Output sizes are fixed upper bounds (capacity = T*k + E*(tile-1)), known without reading
+//   Output sizes are fixed upper bounds (capacity = T*k + min(E, T*k)*(tile-1)), known without reading
 //   the ids, so the GPU path never syncs with the host. Rows past a segment's count hold no
 //   token: row_token = -1 there and their activation rows are NOT written.
 //
@@ -29,7 +29,7 @@ struct MoeDispatchParams {
   int64_t topk;             // k
   int64_t num_experts;      // E
   int64_t tile;             // segment alignment (>= 1)
-  int64_t capacity;         // rows of the outputs: T*k + E*(tile-1)
+  int64_t capacity;         // rows of the outputs: T*k + min(E, T*k)*(tile-1)
   void* sorted_x;           // [capacity, D] x_dtype: row r = x[row_token[r]]
   int32_t* row_token;       // [capacity] source token of each row, -1 for padding
   int32_t* token_row;       // [T, k] row holding (t, j), -1 when topk_ids[t, j] == -1

@@ -9,7 +9,8 @@ and `moe_combine`::
 
 Each segment starts at a multiple of `tile`; inside it rows are in (token, slot) order, a pure
 function of the ids (deterministic, batch-invariant). The output sizes are upper bounds known
-from the shapes alone (capacity = T*k + E*(tile-1)), so the CUDA path never waits for the host.
+from the shapes alone (capacity = T*k + min(E, T*k)*(tile-1): at most that many experts get
+a padded segment), so the CUDA path never waits for the host.
 Padding rows have row_token = -1 and their activation rows are left unwritten.
 """
 
@@ -37,7 +38,7 @@ class MoeDispatch:
 
 def moe_dispatch_capacity(num_tokens: int, topk: int, num_experts: int, tile: int = 1) -> int:
     """Rows of moe_dispatch's outputs: the most that any routing can need."""
-    return num_tokens * topk + num_experts * (tile - 1)
+    return _C.moe_dispatch_capacity(num_tokens, topk, num_experts, tile)
 
 
 def moe_dispatch(
@@ -70,7 +71,7 @@ def moe_dispatch(
     check_positive_int(op, "tile", tile)
     capacity = moe_dispatch_capacity(num_tokens, topk, num_experts, tile)
     if capacity > _INT32_MAX:
-        raise ValueError(f"{op}: T*k + num_experts*(tile-1) = {capacity} rows exceeds int32")
+        raise ValueError(f"{op}: T*k + min(E, T*k)*(tile-1) = {capacity} rows exceeds int32")
     cuda = use_cuda(dev, op)
     if (not cuda or check_ids) and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())

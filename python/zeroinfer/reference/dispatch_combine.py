@@ -24,7 +24,7 @@ def moe_dispatch_ref(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, 
     sorted_expert = ids[order]
     rank = torch.arange(order.numel()) - first_sorted[sorted_expert]
     rows = offsets[sorted_expert] + rank
-    capacity = T * k + num_experts * (tile - 1)
+    capacity = T * k + min(num_experts, T * k) * (tile - 1)
     token_row = torch.full((T * k,), -1, dtype=torch.long)
     token_row[order] = rows
     row_token = torch.full((capacity,), -1, dtype=torch.long)

@@ -1,0 +1,80 @@
+"""Benchmark correct_lengths (the zero-overhead scheduler's device-side fix-up) against a
+vectorised plain-torch version of the same arithmetic.
+
+  python bench/bench_length_correction.py                 # CPU twin vs torch (CPU)
+  python bench/bench_length_correction.py --device cuda   # CUDA kernel vs torch (CUDA)
+
+The op moves a few KB, so it is bound by launch latency on a GPU: what matters is that it is one
+launch of a few microseconds with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from zeroinfer.ops import correct_lengths
+from zeroinfer.testing import bench
+
+
+def torch_correct(remap, acc, nxt, nnext, assumed, cu, k, pos, ids):
+    R, n = remap.numel(), pos.numel()
+    q_opt = cu[1:] - cu[:-1]
+    row = torch.repeat_interleave(torch.arange(R, device=pos.device), q_opt, output_size=n)
+    j = torch.arange(n, device=pos.device) - cu[:-1][row]
+    matched = remap >= 0
+    p = remap.clamp(min=0).long()
+    delta = torch.where(matched, acc[p] - assumed, 0)
+    q = torch.where(matched, torch.minimum(q_opt, nnext[p]), q_opt)
+    k_out = k + delta - (q_opt - q)
+    valid = j < q[row]
+    m = matched[row]
+    pos_out = torch.where(m, torch.where(valid, pos + delta[row], -1), pos)
+    nxt_tok = nxt[p[row], j.clamp(max=nxt.shape[1] - 1)]
+    ids_out = torch.where(m, torch.where(valid, nxt_tok, 0), ids)
+    return q, k_out, pos_out, ids_out
+
+
+def make_round(R, S, device, gen):
+    ri = lambda lo, hi, *s: torch.randint(lo, hi, s, generator=gen, dtype=torch.int32)  # noqa: E731
+    remap = torch.randperm(R, generator=gen).to(torch.int32)
+    remap[torch.rand(R, generator=gen) < 0.1] = -1
+    q_opt = torch.full((R,), S, dtype=torch.int32)
+    cu = torch.zeros(R + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(q_opt, 0)
+    n = int(cu[-1])
+    args = (remap, ri(1, S + 1, R), ri(0, 129280, R, S), torch.full((R,), S, dtype=torch.int32),
+            torch.full((R,), S, dtype=torch.int32), cu, ri(S, 8000, R), ri(0, 8000, n),
+            ri(0, 129280, n))
+    return tuple(a.to(device) for a in args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args()
+    dev = args.device
+    timer = bench.time_cuda if dev == "cuda" else bench.time_cpu
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for R in (1, 8, 64, 256, 1024, 4096):
+        for S in (1, 4):
+            a = make_round(R, S, dev, gen)
+            # A fast wrong kernel must not post a number: both paths agree exactly first.
+            ours, theirs = correct_lengths(*a), torch_correct(*a)
+            assert all(torch.equal(x, y.to(torch.int32)) for x, y in zip(ours, theirs)), (R, S)
+            t_ours = timer(lambda: correct_lengths(*a))
+            t_torch = timer(lambda: torch_correct(*a))
+            rows.append({"rows": R, "tokens_per_row": S, "time_us": t_ours * 1e6,
+                         "torch_us": t_torch * 1e6, "speedup_vs_torch": t_torch / t_ours})
+    bench.print_table(rows, ["rows", "tokens_per_row", "time_us", "torch_us", "speedup_vs_torch"])
+    path = bench.write_results("length_correction", rows, device=dev,
+                               out_dir=Path(args.out_dir) if args.out_dir else None)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
