@@ -22,6 +22,12 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def git_commit() -> str:
+    """HEAD (with -dirty for uncommitted changes), or $ZEROINFER_COMMIT where the tree has no
+    .git (the H200 receives a plain copy of the working tree)."""
+    import os
+
+    if os.environ.get("ZEROINFER_COMMIT"):
+        return os.environ["ZEROINFER_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, check=True).stdout.strip()
