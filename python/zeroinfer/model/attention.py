@@ -1,0 +1,228 @@
+"""V4 attention block: low-rank queries, one shared K=V head of 512 (RoPE on the last 64),
+a sliding window over a paged cache, and for CSA/HCA layers compressed entries (CSA picks
+them per query with the lightning indexer). Core attention runs through
+zeroinfer.ops.sparse_mla_attention; everything else here is plain torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zeroinfer import ops
+from zeroinfer.model.cache import CompressorState, ForwardBatch, LayerCache, slots_of
+from zeroinfer.model.config import CSA, HCA, SLIDING, ModelConfig
+from zeroinfer.model.norm import rms_norm, rms_norm_unweighted
+from zeroinfer.model.rope import RopeTables, apply_rope
+
+
+class NormWeight(nn.Module):
+    """A weighted RMSNorm's parameter (kept float32, as HF does)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32))
+
+
+def linear(in_f: int, out_f: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+
+
+class Compressor(nn.Module):
+    """Pools every `rate` tokens of one sequence into one entry of width `width`.
+
+    HCA (overlap=False): softmax over the window's tokens, per channel, of gate + ape.
+    CSA (overlap=True): each token projects two series (Ca | Cb); entry w pools the Cb half of
+    window w together with the Ca half of window w-1 (2*rate slots). Then kv_norm and RoPE at
+    the window's first position. Incomplete windows wait in the per-sequence state.
+    """
+
+    def __init__(self, hidden: int, width: int, rate: int, overlap: bool, eps: float,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        series = 2 if overlap else 1
+        self.width, self.rate, self.overlap, self.eps = width, rate, overlap, eps
+        self.kv_proj = linear(hidden, series * width, dtype)
+        self.gate_proj = linear(hidden, series * width, dtype)
+        self.position_bias = nn.Parameter(torch.empty(rate, series * width, dtype=torch.float32))
+        self.kv_norm = NormWeight(width)
+
+    def compress(self, x: torch.Tensor, context_len: int, state: CompressorState, slot: int,
+                 rope: RopeTables) -> tuple[torch.Tensor, int]:
+        """x: [S, D] new tokens of one sequence. Returns (entries [n, width], index of the
+        first entry) and updates the sequence's state."""
+        m, w = self.rate, self.width
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        held = context_len % m
+        start = context_len - held  # absolute position of the first buffered token
+        full_kv = torch.cat([state.buf_kv[slot, :held].to(kv.dtype), kv])
+        full_gate = torch.cat([state.buf_gate[slot, :held].to(gate.dtype), gate])
+        n = full_kv.shape[0] // m
+        rest = full_kv.shape[0] - n * m
+        state.buf_kv[slot, :rest] = full_kv[n * m:].float()
+        state.buf_gate[slot, :rest] = full_gate[n * m:].float()
+        if n == 0:
+            return kv.new_zeros(0, w), start // m
+        ck = full_kv[: n * m].view(n, m, -1)
+        cg = full_gate[: n * m].view(n, m, -1) + self.position_bias
+        if self.overlap:
+            pool_kv = ck.new_zeros(n, 2 * m, w)
+            pool_gate = cg.new_full((n, 2 * m, w), float("-inf"))
+            pool_kv[:, m:], pool_gate[:, m:] = ck[..., w:], cg[..., w:]
+            pool_kv[1:, :m], pool_gate[1:, :m] = ck[:-1, :, :w], cg[:-1, :, :w]
+            if start >= m:  # a complete window precedes: its Ca half was saved
+                pool_kv[0, :m] = state.overlap_kv[slot].to(pool_kv.dtype)
+                pool_gate[0, :m] = state.overlap_gate[slot].to(pool_gate.dtype)
+            state.overlap_kv[slot] = ck[-1, :, :w].float()
+            state.overlap_gate[slot] = cg[-1, :, :w].float()
+            ck, cg = pool_kv, pool_gate
+        pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
+        entries = rms_norm(pooled, self.kv_norm.weight, self.eps)
+        positions = start + torch.arange(n, device=x.device) * m
+        cos, sin = rope.cos_sin("compress", positions, entries.dtype)
+        return apply_rope(entries, cos, sin), start // m
+
+
+class IndexerScorer(nn.Module):
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weights_proj = linear(hidden, heads, dtype)
+
+
+class Indexer(Compressor):
+    """The lightning indexer of a CSA layer: its own compressor at width index_head_dim, and
+    per-query scores sum_h w_h * ReLU(q_h . k_s) / sqrt(d_I) used to pick the top-k entries."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__(config.hidden_size, config.index_head_dim, config.csa_rate, True,
+                         config.rms_norm_eps, dtype)
+        self.heads, self.topk = config.index_n_heads, config.index_topk
+        self.q_b_proj = linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, dtype)
+        self.scorer = IndexerScorer(config.hidden_size, config.index_n_heads, dtype)
+
+    def select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+               keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One sequence: x [S, D], q_res [S, d_q], positions [S], keys [n_entries, d_I] (all
+        of the sequence's entries so far). Returns entry indices [S, min(topk, n)], -1 where
+        a query has fewer visible entries."""
+        S, n = x.shape[0], keys.shape[0]
+        q = apply_rope(self.q_b_proj(q_res).view(S, self.heads, self.width), cos, sin)
+        scores = torch.relu(torch.einsum("shd,nd->shn", q.float(), keys.float()))
+        scores = scores * self.width**-0.5
+        weights = self.scorer.weights_proj(x).float() * self.heads**-0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, n]
+        visible = torch.div(positions + 1, self.rate, rounding_mode="floor")
+        future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        top = scores.topk(min(self.topk, n), dim=-1).indices
+        return torch.where(top >= visible[:, None], -1, top)
+
+
+class CSACompressor(Compressor):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__(config.hidden_size, config.head_dim, config.csa_rate, True,
+                         config.rms_norm_eps, dtype)
+        self.indexer = Indexer(config, dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.config, self.kind = c, c.layer_types[layer]
+        self.table = "main" if self.kind == SLIDING else "compress"
+        H, d = c.num_attention_heads, c.head_dim
+        self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, dtype)
+        self.q_a_norm = NormWeight(c.q_lora_rank)
+        self.q_b_proj = linear(c.q_lora_rank, H * d, dtype)
+        self.kv_proj = linear(c.hidden_size, d, dtype)
+        self.kv_norm = NormWeight(d)
+        # Grouped output projection: group g (heads g*H/G .. ) -> o_lora_rank, then mix.
+        self.o_a_proj = linear(H * d // c.o_groups, c.o_groups * c.o_lora_rank, dtype)
+        self.o_b_proj = linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype)
+        self.sinks = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.compressor: Compressor | None = None
+        if self.kind == CSA:
+            self.compressor = CSACompressor(c, dtype)
+        elif self.kind == HCA:
+            self.compressor = Compressor(c.hidden_size, d, c.hca_rate, False, c.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache,
+                rope: RopeTables) -> torch.Tensor:
+        c = self.config
+        T, H, d, eps = x.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
+        pos = batch.positions
+        seq = batch.seq_of_token()
+        cos, sin = rope.cos_sin(self.table, pos, x.dtype)
+
+        q_res = rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
+        q = rms_norm_unweighted(self.q_b_proj(q_res).view(T, H, d), eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), cos, sin)
+
+        # The window: write this step's K=V, then each query reads its last W positions.
+        B = cache.window.shape[1]
+        cache.window.view(-1, d)[slots_of(batch.window_tables, seq, pos, B)] = kv.to(cache.window.dtype)
+        win_pos = pos[:, None] - (c.sliding_window - 1) + torch.arange(c.sliding_window, device=pos.device)
+        valid = win_pos >= 0
+        win_idx = slots_of(batch.window_tables, seq[:, None].expand_as(win_pos),
+                           win_pos.clamp(min=0), B)
+        win_idx = torch.where(valid, win_idx, -1).to(torch.int32)
+
+        extra_cache = extra_idx = None
+        if self.compressor is not None:
+            extra_cache, extra_idx = cache.comp, self._compressed_indices(x, q_res, batch, seq, cache, rope)
+        out, _ = ops.sparse_mla_attention(
+            q.contiguous(), cache.window, win_idx.contiguous(), d**-0.5, attn_sink=self.sinks,
+            extra_kv_cache=extra_cache, extra_indices=extra_idx)
+        out = apply_rope(out, cos, -sin)  # undo RoPE carried by V = K, at the query position
+        G = c.o_groups
+        grouped = out.reshape(T, G, H * d // G).transpose(0, 1)  # [G, T, H*d/G]
+        w_a = self.o_a_proj.weight.view(G, c.o_lora_rank, H * d // G)
+        y = torch.bmm(grouped, w_a.transpose(1, 2)).transpose(0, 1).reshape(T, G * c.o_lora_rank)
+        return self.o_b_proj(y)
+
+    def _compressed_indices(self, x, q_res, batch: ForwardBatch, seq, cache: LayerCache,
+                            rope: RopeTables) -> torch.Tensor:
+        """Compress this step's tokens of every sequence into the layer's cache and return, per
+        query, the slots of the compressed entries it attends to ([T, K2] int32, -1 = none)."""
+        comp = self.compressor
+        assert comp is not None
+        d, m = self.config.head_dim, comp.rate
+        csa = self.kind == CSA
+        tables = batch.csa_tables if csa else batch.hca_tables
+        Bc = cache.comp.shape[1]
+        per_seq: list[torch.Tensor] = []
+        for i in range(batch.num_seqs):
+            lo, hi = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+            ctx, slot = batch.context_lens[i], batch.state_slots[i]
+            xs, ps = x[lo:hi], batch.positions[lo:hi]
+            seq_i = torch.full((1,), i, device=x.device)
+            entries, first = comp.compress(xs, ctx, cache.state["compressor"], slot, rope)
+            if entries.shape[0]:
+                idx = first + torch.arange(entries.shape[0], device=x.device)
+                cache.comp.view(-1, d)[slots_of(tables, seq_i.expand_as(idx), idx, Bc)] = entries.to(cache.comp.dtype)
+            total = (ctx + hi - lo) // m  # entries of this sequence after this step
+            if csa:
+                ix = comp.indexer
+                ikeys, ifirst = ix.compress(xs, ctx, cache.state["indexer"], slot, rope)
+                dI = ix.width
+                if ikeys.shape[0]:
+                    idx = ifirst + torch.arange(ikeys.shape[0], device=x.device)
+                    cache.index.view(-1, dI)[slots_of(tables, seq_i.expand_as(idx), idx, Bc)] = ikeys.to(cache.index.dtype)
+                all_idx = torch.arange(total, device=x.device)
+                keys = cache.index.view(-1, dI)[slots_of(tables, seq_i.expand_as(all_idx), all_idx, Bc)]
+                cos, sin = rope.cos_sin("compress", ps, x.dtype)
+                chosen = ix.select(xs, q_res[lo:hi], ps, keys, cos, sin)
+            else:  # HCA: every closed window is visible
+                visible = torch.div(ps + 1, m, rounding_mode="floor")
+                chosen = torch.arange(total, device=x.device)[None, :].expand(hi - lo, total)
+                chosen = torch.where(chosen < visible[:, None], chosen, -1)
+            slots = slots_of(tables, seq_i.expand_as(chosen), chosen.clamp(min=0), Bc)
+            per_seq.append(torch.where(chosen >= 0, slots, -1))
+        width = max([t.shape[1] for t in per_seq] + [0])
+        out = torch.full((x.shape[0], width), -1, dtype=torch.int32, device=x.device)
+        for i, t in enumerate(per_seq):
+            out[batch.cu_seqlens[i]:batch.cu_seqlens[i + 1], : t.shape[1]] = t.to(torch.int32)
+        return out

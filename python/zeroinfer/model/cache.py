@@ -1,0 +1,113 @@
+"""Paged caches of the V4 graph and the per-step batch metadata the forward reads.
+
+Every layer keeps a sliding-window KV cache; CSA/HCA layers also keep compressed entries
+(CSA: one per `csa_rate` tokens, plus 128-dim indexer keys; HCA: one per `hca_rate` tokens)
+and a small per-sequence compressor state (the raw projections of the incomplete window and,
+for CSA, the overlap half of the last complete window).
+
+Paging: each cache kind is a pool of fixed-size blocks. A sequence owns one block table per
+kind (`window`, `csa`, `hca`), shared by all layers of that kind — block b of a sequence is
+block b in every layer's pool, as in vLLM — plus one compressor-state slot. A token at
+absolute position p lives at window slot table_w[p // B] * B + p % B; compressed entry e at
+table_c[e // Bc] * Bc + e % Bc. The scheduler owns the tables and may free window blocks that
+lie wholly before p - sliding_window; nothing here allocates per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zeroinfer.model.config import CSA, HCA, ModelConfig
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Pool sizes. Block sizes count tokens (window) or entries (compressed kinds)."""
+
+    num_window_blocks: int
+    num_csa_blocks: int
+    num_hca_blocks: int
+    num_state_slots: int
+    window_block_size: int = 64
+    csa_block_size: int = 64
+    hca_block_size: int = 8
+
+
+class LayerCache:
+    """One layer's pools. Tensors are preallocated once; the forward writes into them."""
+
+    def __init__(self, config: ModelConfig, layer: int, spec: CacheSpec, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        d, kind = config.head_dim, config.layer_types[layer]
+        kw = dict(dtype=dtype, device=device)
+        self.kind = kind
+        self.window = torch.zeros(spec.num_window_blocks, spec.window_block_size, d, **kw)
+        self.comp = self.index = None
+        self.state: dict[str, CompressorState] = {}
+        if kind == CSA:
+            self.comp = torch.zeros(spec.num_csa_blocks, spec.csa_block_size, d, **kw)
+            self.index = torch.zeros(spec.num_csa_blocks, spec.csa_block_size,
+                                     config.index_head_dim, **kw)
+            self.state["compressor"] = CompressorState(spec.num_state_slots, config.csa_rate, d, True, device)
+            self.state["indexer"] = CompressorState(spec.num_state_slots, config.csa_rate,
+                                                    config.index_head_dim, True, device)
+        elif kind == HCA:
+            self.comp = torch.zeros(spec.num_hca_blocks, spec.hca_block_size, d, **kw)
+            self.state["compressor"] = CompressorState(spec.num_state_slots, config.hca_rate, d, False, device)
+
+
+class CompressorState:
+    """Per-sequence compressor state. The number of valid buffered tokens is not stored: it is
+    context_len % rate, and the overlap is valid iff a complete window exists (context_len >=
+    rate rounded down), so a fresh sequence needs no reset. Kept in float32 (HF pools in fp32)."""
+
+    def __init__(self, slots: int, rate: int, width: int, overlap: bool, device) -> None:
+        series = 2 if overlap else 1
+        kw = dict(dtype=torch.float32, device=device)
+        self.buf_kv = torch.zeros(slots, rate, series * width, **kw)
+        self.buf_gate = torch.zeros(slots, rate, series * width, **kw)
+        self.overlap_kv = torch.zeros(slots, rate, width, **kw) if overlap else None
+        self.overlap_gate = torch.zeros(slots, rate, width, **kw) if overlap else None
+
+
+def allocate_caches(config: ModelConfig, spec: CacheSpec, dtype: torch.dtype,
+                    device: torch.device | str) -> list[LayerCache]:
+    device = torch.device(device)
+    return [LayerCache(config, i, spec, dtype, device) for i in range(config.num_hidden_layers)]
+
+
+@dataclass
+class ForwardBatch:
+    """One step: new tokens of B sequences, flattened in sequence order (no padding).
+
+    input_ids [T] int64, positions [T] int64: absolute positions; sequence i owns tokens
+    cu_seqlens[i]:cu_seqlens[i+1] whose positions are context_lens[i] .. context_lens[i]+q_i-1.
+    Block tables are int32 [B, max_blocks] (unused entries -1); state_slots [B] int64.
+    The CPU copies (lists) drive the per-sequence loops of the compressors.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: list[int]
+    context_lens: list[int]
+    window_tables: torch.Tensor
+    csa_tables: torch.Tensor
+    hca_tables: torch.Tensor
+    state_slots: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    def seq_of_token(self) -> torch.Tensor:
+        q = torch.tensor([self.cu_seqlens[i + 1] - self.cu_seqlens[i] for i in range(self.num_seqs)],
+                         device=self.positions.device)
+        return torch.repeat_interleave(torch.arange(self.num_seqs, device=q.device), q)
+
+
+def slots_of(tables: torch.Tensor, seq: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slots of logical indices `index` (>= 0) of sequences `seq` (same shape)."""
+    blocks = tables[seq, torch.div(index, block_size, rounding_mode="floor")].long()
+    return blocks * block_size + index % block_size

@@ -1,0 +1,61 @@
+"""mHC: manifold-constrained hyper-connections. The residual is N streams per token; each block
+reads a weighted collapse of them and writes its output back through `post` and a doubly
+stochastic mixing matrix C (Sinkhorn-normalised)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zeroinfer.model.norm import rms_norm_unweighted
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hc_mult: int, hidden: int, iters: int, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        n = hc_mult
+        self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+
+    def weights(self, streams: torch.Tensor):
+        """streams [T, N, D] -> (post [T, N] f32, comb [T, N, N] f32, collapsed [T, D])."""
+        n = self.n
+        flat = rms_norm_unweighted(streams.flatten(1).float(), self.norm_eps)
+        z = flat @ self.fn.float().t()
+        z_pre, z_post, z_comb = z.split([n, n, n * n], dim=-1)
+        b_pre, b_post, b_comb = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(z_pre * self.scale[0] + b_pre) + self.eps
+        post = 2 * torch.sigmoid(z_post * self.scale[1] + b_post)
+        comb = torch.softmax(z_comb.view(-1, n, n) * self.scale[2] + b_comb.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)  # columns first
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+        """New stream k = post[k] * out + sum_j comb[j, k] * streams[j] (C transposed)."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the N streams (no Sinkhorn, no post/comb)."""
+
+    def __init__(self, hc_mult: int, hidden: int, eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.eps, self.norm_eps = eps, norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.empty(hc_mult, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = rms_norm_unweighted(streams.flatten(1).float(), self.norm_eps)
+        pre = torch.sigmoid((flat @ self.hc_fn.float().t()) * self.hc_scale.float()
+                            + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

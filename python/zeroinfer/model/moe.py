@@ -1,0 +1,80 @@
+"""V4 MoE block: a router (learned top-k with a selection-only bias, or a frozen token-id hash),
+MXFP4 routed experts through zeroinfer.ops (dispatch -> grouped GEMM with fused clamped SwiGLU
+-> grouped GEMM -> weighted combine), and one always-on shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zeroinfer import ops
+from zeroinfer.model.config import HASH_MOE, ModelConfig
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig, hashed: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hashed, self.k, self.rho = hashed, config.num_experts_per_tok, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=dtype))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.k, dtype=torch.int64))
+        else:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, y: torch.Tensor, input_ids: torch.Tensor):
+        """Returns (expert ids [T, k] int32, weights [T, k] float32)."""
+        scores = F.softplus(F.linear(y, self.weight)).sqrt()  # "sqrtsoftplus", activation dtype
+        if self.hashed:
+            ids = self.tid2eid[input_ids]
+        else:  # the bias only chooses; the weights come from the unbiased scores
+            ids = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.rho
+        return ids.to(torch.int32), w.float()
+
+
+class Experts(nn.Module):
+    """Routed experts, packed MXFP4 as in V4 checkpoints (kept packed for the FP4 GEMM).
+    gate_up rows 0..I-1 are the gate (w1), rows I..2I-1 the up projection (w3)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        E, D, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        u8 = dict(dtype=torch.uint8)
+        self.register_buffer("gate_up_blocks", torch.zeros(E, 2 * I, D // 2, **u8))
+        self.register_buffer("gate_up_scales", torch.zeros(E, 2 * I, D // 32, **u8))
+        self.register_buffer("down_blocks", torch.zeros(E, D, I // 2, **u8))
+        self.register_buffer("down_scales", torch.zeros(E, D, I // 32, **u8))
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        D, I = config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = nn.Linear(D, I, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(D, I, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(I, D, bias=False, dtype=dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = Router(config, config.mlp_layer_types[layer] == HASH_MOE, dtype)
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config, dtype)
+
+    def forward(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        c, ex, sh = self.config, self.experts, self.shared_experts
+        lam = c.swiglu_limit
+        ids, w = self.gate(y, input_ids)
+        d = ops.moe_dispatch(y.contiguous(), ids, c.n_routed_experts)
+        seg = dict(expert_offsets=d.expert_offsets, expert_counts=d.expert_counts, out_dtype=y.dtype)
+        h = ops.mxfp4_grouped_gemm(d.sorted_x, ex.gate_up_blocks, ex.gate_up_scales,
+                                   fuse_swiglu=True, swiglu_limit=lam, **seg)
+        o = ops.mxfp4_grouped_gemm(h, ex.down_blocks, ex.down_scales, **seg)
+        routed = ops.moe_combine(o, d.token_row, w, out_dtype=y.dtype)
+        shared = sh.down_proj(F.silu(sh.gate_proj(y).clamp(max=lam)) * sh.up_proj(y).clamp(-lam, lam))
+        return routed + shared

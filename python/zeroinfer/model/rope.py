@@ -1,0 +1,61 @@
+"""V4 RoPE: interleaved pairs (2i, 2i+1) on the LAST r channels of each 512-dim vector.
+
+Two tables: `main` (theta=1e4, sliding-only layers) and `compress` (theta=1.6e5 plus optional
+YaRN, used by CSA/HCA layers for their own q/kv, their compressors and the indexer). Following HF:
+angles in float32, cos/sin cast to the activation dtype, rotation computed in float32.
+YaRN's attention factor is NOT applied to this table (HF forces it to 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zeroinfer.model.config import ModelConfig, YarnScaling
+
+
+def inv_freq(theta: float, dim: int, yarn: YarnScaling | None = None) -> torch.Tensor:
+    """One frequency per interleaved pair: [dim/2] float32."""
+    exps = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    base = theta**exps
+    freq = 1.0 / base
+    if yarn is None:
+        return freq
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp, as HF does
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    interp = 1.0 / (yarn.factor * base)
+    return interp * ramp + freq * (1 - ramp)
+
+
+class RopeTables:
+    """inv_freq of both tables for one model, on one device."""
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        r = config.qk_rope_head_dim
+        self.main = inv_freq(config.rope_theta, r).to(device)
+        self.compress = inv_freq(config.compress_rope_theta, r, config.compress_yarn).to(device)
+
+    def cos_sin(self, table: str, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float()[:, None] * getattr(self, table)[None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2*cos.shape[-1] channels of x [T, ..., d] in interleaved pairs.
+    cos/sin: [T, r/2]; they broadcast over the middle (head) dims."""
+    r = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.float().view(shape), sin.float().view(shape)
+    rope = x[..., -r:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-r], out.to(x.dtype)], dim=-1)

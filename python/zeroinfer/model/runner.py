@@ -1,0 +1,108 @@
+"""A small driver of the graph over paged caches for a fixed set of sequence slots: it owns
+the caches, gives every slot a fixed range of blocks of each kind, builds the ForwardBatch of
+a step, and serves the simple public calls (teacher-forced logits, greedy decoding). The
+engine's scheduler (continuous batching, preemption, block reuse) builds its batches itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zeroinfer.model.cache import CacheSpec, ForwardBatch, allocate_caches
+from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+
+
+class PagedRunner:
+    def __init__(self, net: DeepseekV4ForCausalLM, *, max_seqs: int = 4, max_len: int = 1024,
+                 window_block_size: int = 16, csa_block_size: int = 8, hca_block_size: int = 2,
+                 device: torch.device | str | None = None) -> None:
+        c = net.config
+        self.net, self.max_len, self.max_seqs = net, max_len, max_seqs
+        self.device = torch.device(device) if device else next(net.parameters()).device
+        self.nw = math.ceil(max_len / window_block_size)
+        self.nc = max(1, math.ceil(max_len // c.csa_rate / csa_block_size))
+        self.nh = max(1, math.ceil(max_len // c.hca_rate / hca_block_size))
+        self.spec = CacheSpec(self.nw * max_seqs, self.nc * max_seqs, self.nh * max_seqs, max_seqs,
+                              window_block_size, csa_block_size, hca_block_size)
+        self.caches = allocate_caches(c, self.spec, net.dtype, self.device)
+        # Blocks are handed out in reverse order inside each slot's range so that a test of
+        # the paging cannot pass by accident on identity tables.
+        def tables(n_per: int) -> torch.Tensor:
+            base = torch.arange(max_seqs)[:, None] * n_per
+            return (base + torch.arange(n_per - 1, -1, -1)[None, :]).to(torch.int32).to(self.device)
+
+        self.window_tables, self.csa_tables, self.hca_tables = tables(self.nw), tables(self.nc), tables(self.nh)
+        self.lengths = [0] * max_seqs
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def step(self, feeds: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run one forward over several sequences at once: feeds maps slot -> new token ids.
+        Returns slot -> logits [len(new tokens), V] (float32)."""
+        slots = list(feeds)
+        ids, pos, cu, ctx = [], [], [0], []
+        for s in slots:
+            toks = feeds[s]
+            if not toks:
+                raise ValueError(f"slot {s}: no new tokens")
+            if self.lengths[s] + len(toks) > self.max_len:
+                raise ValueError(f"slot {s}: {self.lengths[s] + len(toks)} tokens exceed max_len={self.max_len}")
+            ids += toks
+            pos += range(self.lengths[s], self.lengths[s] + len(toks))
+            cu.append(cu[-1] + len(toks))
+            ctx.append(self.lengths[s])
+        sel = torch.tensor(slots, device=self.device)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(pos, dtype=torch.int64, device=self.device),
+            cu_seqlens=cu, context_lens=ctx,
+            window_tables=self.window_tables[sel], csa_tables=self.csa_tables[sel],
+            hca_tables=self.hca_tables[sel], state_slots=slots)
+        logits = self.net(batch, self.caches)
+        for s in slots:
+            self.lengths[s] += len(feeds[s])
+        return {s: logits[cu[i]:cu[i + 1]] for i, s in enumerate(slots)}
+
+
+class Model:
+    """What zeroinfer.model.load returns: the graph plus a runner for scoring and greedy."""
+
+    def __init__(self, net: DeepseekV4ForCausalLM, device: torch.device) -> None:
+        self.net, self.device, self.config = net, device, net.config
+
+    def runner(self, **kw) -> PagedRunner:
+        return PagedRunner(self.net, device=self.device, **kw)
+
+    def _check_ids(self, token_ids) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("token_ids must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
+        return ids
+
+    def logits(self, token_ids, *, chunk_size: int | None = None) -> torch.Tensor:
+        """Teacher-forced logits [T, vocab] (float32) through the cached, paged path; with
+        chunk_size the prompt is prefilled in chunks of that many tokens."""
+        ids = self._check_ids(token_ids)
+        r = self.runner(max_seqs=1, max_len=len(ids))
+        step = chunk_size or len(ids)
+        out = [r.step({0: ids[i:i + step]})[0] for i in range(0, len(ids), step)]
+        return torch.cat(out)
+
+    def greedy(self, token_ids, max_new_tokens: int) -> list[int]:
+        """Prefill, then one token at a time through the cache; returns the new tokens."""
+        ids = self._check_ids(token_ids)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        r = self.runner(max_seqs=1, max_len=len(ids) + max_new_tokens)
+        nxt = int(r.step({0: ids})[0][-1].argmax())
+        out = [nxt]
+        while len(out) < max_new_tokens:
+            nxt = int(r.step({0: [nxt]})[0][-1].argmax())
+            out.append(nxt)
+        return out
