@@ -19,8 +19,9 @@ _SMALL = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, q_lora_rank
               eos_token_id=(1,))
 
 DUMMY_CONFIGS: dict[str, ModelConfig] = {
-    # the embedded default: all three attention types and both MoE kinds
-    "tiny": ModelConfig(**_SMALL, num_hidden_layers=4, sliding_window=8, csa_rate=4, hca_rate=16,
+    # the embedded default: all three attention types and both MoE kinds, and the real V4
+    # vocabulary so the real tokenizer's ids are valid
+    "tiny": ModelConfig(**{**_SMALL, "vocab_size": 129280}, num_hidden_layers=4, sliding_window=8, csa_rate=4, hca_rate=16,
                         index_topk=3, layer_types=(SLIDING, CSA, HCA, CSA),
                         mlp_layer_types=(HASH_MOE, MOE, MOE, MOE)),
     # more layers, HCA first, a wider window and YaRN on the compress RoPE table
