@@ -115,7 +115,10 @@ class Indexer(Compressor):
         visible = torch.div(positions + 1, self.rate, rounding_mode="floor")
         future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
         scores = scores.masked_fill(future, float("-inf"))
-        top = scores.topk(min(self.topk, n), dim=-1).indices
+        # ReLU scores are often exactly 0, so ties are real: break them by entry index (a stable
+        # sort) so the choice never depends on how many entries the scored row happens to hold
+        # (chunked prefill, batch composition).
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(self.topk, n)]
         return torch.where(top >= visible[:, None], -1, top)
 
 

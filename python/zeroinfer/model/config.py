@@ -4,7 +4,8 @@ config.json (HF names, with the legacy DeepSeek keys folded in the way HF folds 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -12,6 +13,16 @@ ATTENTION_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE, MOE = "hash_moe", "moe"
 MLP_TYPES = (HASH_MOE, MOE)
 _RATIO_TO_TYPE = {0: SLIDING, 1: SLIDING, 4: CSA, 128: HCA}
+
+
+def _yarn_mscale(factor: float, params: dict) -> float:
+    """YaRN's default attention factor, as HF derives it."""
+
+    def get(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    ms, ms_all = params.get("mscale"), params.get("mscale_all_dim")
+    return get(factor, ms) / get(factor, ms_all) if ms and ms_all else get(factor)
 
 
 @dataclass(frozen=True)
@@ -22,6 +33,10 @@ class YarnScaling:
     original_max_position_embeddings: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    # Multiplies cos/sin. The V4 reference uses 1.0; HF sets 1.0 when it folds a legacy flat
+    # rope_scaling, but derives YaRN's mscale (0.1 ln(factor) + 1) for a nested
+    # rope_parameters["compress"] that omits it, so we read it the way HF does.
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -117,15 +132,20 @@ class ModelConfig:
         else:
             rope_dim = int(d.get("qk_rope_head_dim", 64))
         rope_params = d.get("rope_parameters") or {}
-        compress = rope_params.get("compress") if isinstance(rope_params, dict) else None
-        compress = compress or d.get("rope_scaling") or {}
+        nested = rope_params.get("compress") if isinstance(rope_params, dict) else None
+        compress = nested or d.get("rope_scaling") or {}
         yarn = None
         if compress.get("rope_type", compress.get("type")) == "yarn":
+            factor = float(compress["factor"])
+            att = compress.get("attention_factor")
+            if att is None:
+                att = _yarn_mscale(factor, compress) if nested else 1.0
             yarn = YarnScaling(
-                factor=float(compress["factor"]),
+                factor=factor,
                 original_max_position_embeddings=int(compress["original_max_position_embeddings"]),
-                beta_fast=float(compress.get("beta_fast", 32.0)),
-                beta_slow=float(compress.get("beta_slow", 1.0)),
+                beta_fast=float(compress.get("beta_fast") or 32.0),
+                beta_slow=float(compress.get("beta_slow") or 1.0),
+                attention_factor=float(att),
             )
         main = rope_params.get("main", {}) if isinstance(rope_params, dict) else {}
         eos = d.get("eos_token_id", 1)
@@ -174,7 +194,7 @@ class ModelConfig:
         if self.compress_yarn is not None:
             y = self.compress_yarn
             compress.update(rope_type="yarn", factor=y.factor, beta_fast=y.beta_fast,
-                            beta_slow=y.beta_slow,
+                            beta_slow=y.beta_slow, attention_factor=y.attention_factor,
                             original_max_position_embeddings=y.original_max_position_embeddings)
         return {
             "model_type": "deepseek_v4",

@@ -14,7 +14,7 @@ from zeroinfer.model.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 
 _SMALL = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, q_lora_rank=32, o_groups=2,
-              o_lora_rank=32, index_n_heads=2, index_head_dim=128, n_routed_experts=8,
+              o_lora_rank=32, index_n_heads=8, index_head_dim=128, n_routed_experts=8,
               num_experts_per_tok=2, moe_intermediate_size=64, hc_mult=4, bos_token_id=0,
               eos_token_id=(1,))
 

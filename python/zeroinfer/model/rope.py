@@ -3,7 +3,7 @@
 Two tables: `main` (theta=1e4, sliding-only layers) and `compress` (theta=1.6e5 plus optional
 YaRN, used by CSA/HCA layers for their own q/kv, their compressors and the indexer). Following HF:
 angles in float32, cos/sin cast to the activation dtype, rotation computed in float32.
-YaRN's attention factor is NOT applied to this table (HF forces it to 1).
+YaRN's attention factor multiplies cos/sin; it is 1.0 for V4 (see YarnScaling).
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ class RopeTables:
         r = config.qk_rope_head_dim
         self.main = inv_freq(config.rope_theta, r).to(device)
         self.compress = inv_freq(config.compress_rope_theta, r, config.compress_yarn).to(device)
+        y = config.compress_yarn
+        self.scaling = {"main": 1.0, "compress": y.attention_factor if y else 1.0}
 
     def cos_sin(self, table: str, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float()[:, None] * getattr(self, table)[None, :]
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        s = self.scaling[table]
+        return (freqs.cos() * s).to(dtype), (freqs.sin() * s).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,12 @@ float64 pure-torch reference, `<name>_ref`, which the tests use as the oracle.
 
 from zeroinfer.ops.dispatch_combine import MoeDispatch, moe_combine, moe_dispatch
 from zeroinfer.ops.length_correction import CorrectedLengths, correct_lengths
+from zeroinfer.ops.moe_gemm import mxfp4_grouped_gemm
+from zeroinfer.ops.sparse_mla import sparse_mla_attention
 from zeroinfer.reference.dispatch_combine import moe_combine_ref, moe_dispatch_ref
 from zeroinfer.reference.length_correction import correct_lengths_ref
+from zeroinfer.reference.moe_gemm import mxfp4_grouped_gemm_ref
+from zeroinfer.reference.sparse_mla import sparse_mla_attention_ref
 
 __all__ = [
     "CorrectedLengths",
@@ -19,4 +23,8 @@ __all__ = [
     "moe_combine_ref",
     "moe_dispatch",
     "moe_dispatch_ref",
+    "mxfp4_grouped_gemm",
+    "mxfp4_grouped_gemm_ref",
+    "sparse_mla_attention",
+    "sparse_mla_attention_ref",
 ]

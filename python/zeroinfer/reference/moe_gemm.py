@@ -1,0 +1,80 @@
+"""Float64 reference for zeroinfer.ops.mxfp4_grouped_gemm (the MXFP4 grouped expert GEMM).
+
+Decodes the checkpoint bytes itself (no kernel or quant-helper code): byte j of a weight row holds
+element 2j in the low nibble and 2j+1 in the high nibble; nibble -> e2m1 value through the table
+below; one UE8M0 scale byte 2^(b-127) per 32 elements along K.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def dequantize_expert_f64(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[..., N, K/2]`` packed bytes, ``w_scale`` ``[..., N, K/32]`` UE8M0 -> float64
+    ``[..., N, K]``."""
+    wb = _bytes(w).to(torch.int64)
+    lo, hi = wb & 0xF, wb >> 4
+    nib = torch.stack([lo, hi], dim=-1).reshape(*wb.shape[:-1], wb.shape[-1] * 2)  # 2j low, 2j+1 high
+    lut = torch.tensor(_E2M1, dtype=torch.float64, device=w.device)
+    vals = lut[nib]
+    sb = _bytes(w_scale).to(torch.float64)
+    scale = torch.where(sb == 255, torch.full_like(sb, float("nan")), torch.exp2(sb - 127.0))
+    return vals * scale.repeat_interleave(32, dim=-1)
+
+
+def _act_f64(a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
+    x = a.to(torch.float64)
+    if a_scale is not None:
+        x = x * a_scale.to(torch.float64).repeat_interleave(128, dim=-1)
+    return x
+
+
+def _epilogue(y: torch.Tensor, fuse_swiglu: bool, swiglu_limit: float | None) -> torch.Tensor:
+    if not fuse_swiglu:
+        return y
+    h = y.shape[-1] // 2
+    g, u = y[..., :h], y[..., h:]
+    if swiglu_limit is not None:
+        g = torch.clamp(g, max=swiglu_limit)                 # gate: one-sided
+        u = torch.clamp(u, min=-swiglu_limit, max=swiglu_limit)  # up: two-sided
+    return g * torch.sigmoid(g) * u
+
+
+def mxfp4_grouped_gemm_ref(a, w, w_scale, *, expert_offsets=None, expert_counts=None,
+                           masked_m=None, a_scale=None, fuse_swiglu=False, swiglu_limit=None,
+                           initial=None) -> torch.Tensor:
+    """Same arguments as the op (no validation). Returns float64 ``[M, N_out]`` (contiguous) or
+    ``[E, cap, N_out]`` (masked). Rows the op does not write hold ``initial`` (converted to
+    float64) when given, else NaN."""
+    n = w.shape[1]
+    n_out = n // 2 if fuse_swiglu else n
+    x = _act_f64(a, a_scale)
+    shape = (*x.shape[:-1], n_out)
+    if initial is not None:
+        out = initial.to(torch.float64).clone()
+    else:
+        out = torch.full(shape, float("nan"), dtype=torch.float64, device=a.device)
+    num_experts = w.shape[0]
+    for e in range(num_experts):
+        if masked_m is not None:
+            rows = x[e, : int(masked_m[e])]
+            dst = out[e]
+            start = 0
+        else:
+            start = int(expert_offsets[e])
+            cnt = (int(expert_counts[e]) if expert_counts is not None
+                   else int(expert_offsets[e + 1]) - start)
+            rows = x[start:start + cnt]
+            dst = out
+        if rows.shape[0] == 0:
+            continue
+        wd = dequantize_expert_f64(w[e], w_scale[e])
+        dst[start:start + rows.shape[0]] = _epilogue(rows @ wd.T, fuse_swiglu, swiglu_limit)
+    return out

@@ -1,0 +1,607 @@
+"""mxfp4_grouped_gemm against its float64 reference, on fresh random inputs every run.
+
+Weights are random BYTES (every nibble, -0 included) with random UE8M0 scales; outputs passed in
+through out= are poisoned with NaN so that every owned row must be written and every other row
+must be left alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zeroinfer.ops.moe_gemm import mxfp4_grouped_gemm
+from zeroinfer.reference.moe_gemm import mxfp4_grouped_gemm_ref
+
+FP8 = torch.float8_e4m3fn
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_single_thread():
+    """The float64 references are tiny: run torch single-threaded in this module. With torch's
+    OpenMP pool active, its spin-waiting threads compete with zeroinfer's own pool for the cores
+    and, on a loaded 2-core machine, made this file ~10x slower in CPU time."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------ inputs
+def rand_weights(gen, E, N, K, lo=120, hi=132):
+    w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    s = torch.randint(lo, hi + 1, (E, N, K // 32), dtype=torch.uint8, generator=gen)
+    return w, s
+
+
+def rand_act(gen, shape, dtype):
+    """(a, a_scale): float activations, or fp8 values with per-token scales over 128-groups."""
+    x = torch.randn(*shape, generator=gen) * 2
+    if dtype != FP8:
+        return x.to(dtype), None
+    k = shape[-1]
+    a = (x * 40).clamp(-440, 440).to(FP8)
+    mant = 0.5 + torch.rand(*shape[:-1], k // 128, generator=gen)
+    a_scale = mant * torch.exp2(torch.randint(-8, -3, mant.shape, generator=gen).float())
+    return a, a_scale
+
+
+def rand_counts(gen, E, M, *, empty=0):
+    """Random split of M rows over E experts; `empty` experts forced to zero rows."""
+    if M == 0:
+        return [0] * E
+    probs = torch.rand(E, generator=gen) + 0.05
+    if empty:
+        probs[torch.randperm(E, generator=gen)[:min(empty, E - 1)]] = 0
+    idx = torch.multinomial(probs, M, replacement=True, generator=gen)
+    return torch.bincount(idx, minlength=E).tolist()
+
+
+def make_contiguous(gen, counts, pad_max=0):
+    """Segments of counts[e] used rows followed by 0..pad_max padding rows."""
+    pads = torch.randint(0, pad_max + 1, (len(counts),), generator=gen).tolist() if pad_max else \
+        [0] * len(counts)
+    seg = [c + p for c, p in zip(counts, pads)]
+    offsets = [0]
+    for s in seg:
+        offsets.append(offsets[-1] + s)
+    return (torch.tensor(offsets, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32),
+            offsets[-1])
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+# -------------------------------------------------------------------------------- comparison
+def assert_matches_ref(got, a, w, s, *, out_dtype, fuse_swiglu=False, swiglu_limit=None,
+                       initial=None, **layout):
+    """got vs the float64 reference: NaN exactly where the reference keeps `initial`'s NaN
+    (unowned rows), and within tolerance elsewhere. The absolute tolerance scales with the size of
+    the GEMM outputs (float32 accumulation error is relative to them, and the SwiGLU multiplies
+    it by at most max(|g|, |u|) or by the clamp limit)."""
+    ref = mxfp4_grouped_gemm_ref(a, w, s, fuse_swiglu=fuse_swiglu, swiglu_limit=swiglu_limit,
+                                 initial=initial, **layout)
+    assert got.dtype == out_dtype and got.shape == ref.shape
+    g = got.double()
+    nan_ref = torch.isnan(ref)
+    assert torch.equal(torch.isnan(g), nan_ref), "rows written/unwritten do not match the contract"
+    if bool(nan_ref.all()):
+        return
+    pre = mxfp4_grouped_gemm_ref(a, w, s, **layout)
+    pre_max = float(pre[~torch.isnan(pre)].abs().max()) if bool((~torch.isnan(pre)).any()) else 0.0
+    scale = float(ref[~nan_ref].abs().max())
+    if fuse_swiglu:
+        scale = max(scale, pre_max * min(pre_max, swiglu_limit or math.inf))
+    else:
+        scale = max(scale, pre_max)
+    rtol, atol = (1e-5, 1e-5 * scale) if out_dtype == torch.float32 else (1e-2, 1e-3 * scale)
+    diff = (g - ref)[~nan_ref].abs()
+    bound = rtol * ref[~nan_ref].abs() + atol
+    worst = int(torch.argmax(diff - bound))
+    assert bool((diff <= bound).all()), (
+        f"max excess {float((diff - bound)[worst]):.3g}: got {float(g[~nan_ref][worst])}, "
+        f"ref {float(ref[~nan_ref][worst])}, tolerance scale {scale:.3g}")
+
+
+def default_out_dtype(a):
+    return torch.float32 if a.dtype == torch.float32 else torch.bfloat16
+
+
+def clamp_inputs(gen, a, a_scale, w, s, **layout):
+    """Pick a SwiGLU limit λ in [0.5, 3] and rescale the activations so that the pre-activations
+    spread over about ±3λ: then the gate clamp (one-sided: gates below -λ must NOT be clamped,
+    and silu still differs there) and the up clamp (two-sided) both trigger, and some values stay
+    unclamped. Returns (a, a_scale, λ)."""
+    lim = 0.5 + 2.5 * float(torch.rand(1, generator=gen))
+    pre = mxfp4_grouped_gemm_ref(a, w, s, a_scale=a_scale, **layout)
+    owned = ~torch.isnan(pre[..., 0])
+    c = 3 * lim / float(pre[owned].std())
+    if a_scale is not None:
+        a_scale = a_scale * c
+    else:
+        a = (a.double() * c).to(a.dtype)
+    pre = mxfp4_grouped_gemm_ref(a, w, s, a_scale=a_scale, **layout)[owned]
+    h = pre.shape[-1] // 2
+    gate, up = pre[:, :h], pre[:, h:]
+    if gate.numel() >= 64:  # enough values that all three cases occur (else a flaky assert)
+        assert bool((gate > lim).any()) and bool((gate < -lim).any())
+        assert bool((up.abs() > lim).any()) and bool((up.abs() < lim).any())
+    return a, a_scale, lim
+
+
+SWIGLU_MODES = ["plain", "swiglu", "swiglu_limit"]
+
+
+def run_case(gen, *, E, N, K, dtype, mode, masked, M=None, counts=None, pad_max=3, out_dtype=None,
+             use_out=True):
+    w, s = rand_weights(gen, E, N, K)
+    if masked:
+        cap = int(torch.randint(1, 12, (1,), generator=gen)) if counts is None else max(counts + [1])
+        mm = counts if counts is not None else torch.randint(0, cap + 1, (E,), generator=gen).tolist()
+        layout = {"masked_m": torch.tensor(mm, dtype=torch.int32)}
+        a, a_scale = rand_act(gen, (E, cap, K), dtype)
+        rows_shape = (E, cap)
+    else:
+        if counts is None:
+            M = int(torch.randint(0, 40, (1,), generator=gen)) if M is None else M
+            counts = rand_counts(gen, E, M)
+        offsets, cnt, total = make_contiguous(gen, counts, pad_max)
+        layout = {"expert_offsets": offsets, "expert_counts": cnt}
+        a, a_scale = rand_act(gen, (total, K), dtype)
+        rows_shape = (total,)
+    fuse = mode != "plain"
+    lim = None
+    if mode == "swiglu_limit" and any(layout.get("masked_m", layout.get("expert_counts")).tolist()):
+        a, a_scale, lim = clamp_inputs(gen, a, a_scale, w, s, **layout)
+    od = out_dtype or default_out_dtype(a)
+    n_out = N // 2 if fuse else N
+    out = poisoned((*rows_shape, n_out), od) if use_out else None
+    got = mxfp4_grouped_gemm(a, w, s, a_scale=a_scale, fuse_swiglu=fuse, swiglu_limit=lim,
+                             out_dtype=out_dtype, out=out, **layout)
+    if use_out:
+        assert got is out
+        assert_matches_ref(got, a, w, s, out_dtype=od, fuse_swiglu=fuse, swiglu_limit=lim,
+                           initial=poisoned((*rows_shape, n_out), torch.float64),
+                           a_scale=a_scale, **layout)
+    else:  # fresh output: only the owned rows are defined; compare those
+        ref = mxfp4_grouped_gemm_ref(a, w, s, fuse_swiglu=fuse, swiglu_limit=lim,
+                                     a_scale=a_scale, **layout)
+        owned = ~torch.isnan(ref)
+        got_owned = torch.where(owned, got.double(), torch.full_like(ref, float("nan"))).to(od)
+        assert_matches_ref(got_owned, a, w, s, out_dtype=od, fuse_swiglu=fuse, swiglu_limit=lim,
+                           a_scale=a_scale, **layout)
+
+
+# --------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("mode", SWIGLU_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [32, 64, 256])
+@pytest.mark.parametrize("N", [32, 64, 96])
+@pytest.mark.parametrize("E", [1, 3, 8])
+def test_contiguous(gen, E, N, K, dtype, mode):
+    run_case(gen, E=E, N=N, K=K, dtype=dtype, mode=mode, masked=False)
+
+
+@pytest.mark.parametrize("mode", SWIGLU_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [32, 256])
+@pytest.mark.parametrize("N", [32, 96])
+@pytest.mark.parametrize("E", [1, 3, 8])
+def test_masked(gen, E, N, K, dtype, mode):
+    run_case(gen, E=E, N=N, K=K, dtype=dtype, mode=mode, masked=True)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("mode", SWIGLU_MODES)
+@pytest.mark.parametrize("E,N,K", [(1, 32, 128), (3, 64, 256), (8, 96, 256)])
+def test_fp8_activations(gen, E, N, K, mode, masked):
+    run_case(gen, E=E, N=N, K=K, dtype=FP8, mode=mode, masked=masked)
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32),
+                                             (FP8, torch.float32)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_out_dtype_override(gen, dtype, out_dtype, masked):
+    run_case(gen, E=3, N=64, K=128, dtype=dtype, mode="swiglu", masked=masked, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+def test_fresh_output(gen, dtype, masked):
+    run_case(gen, E=4, N=64, K=256, dtype=dtype, mode="swiglu_limit", masked=masked, use_out=False)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_empty_experts(gen, masked):
+    E = 8
+    counts = rand_counts(gen, E, 30, empty=5)
+    assert counts.count(0) >= 5
+    run_case(gen, E=E, N=64, K=64, dtype=torch.float32, mode="plain", masked=masked, counts=counts)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("mode", SWIGLU_MODES)
+def test_all_rows_on_one_expert(gen, masked, mode):
+    E = 6
+    counts = [0] * E
+    counts[int(torch.randint(0, E, (1,), generator=gen))] = 37
+    run_case(gen, E=E, N=64, K=128, dtype=torch.bfloat16, mode=mode, masked=masked, counts=counts)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+def test_single_token(gen, masked, dtype):
+    E = 5
+    counts = [0] * E
+    counts[int(torch.randint(0, E, (1,), generator=gen))] = 1
+    run_case(gen, E=E, N=96, K=256, dtype=dtype, mode="swiglu_limit", masked=masked,
+             counts=counts, pad_max=0)
+
+
+def test_no_rows(gen):
+    """M = 0 and all-zero routing: nothing is written, nothing fails."""
+    w, s = rand_weights(gen, 3, 32, 64)
+    a = torch.empty(0, 64)
+    y = mxfp4_grouped_gemm(a, w, s, expert_offsets=torch.zeros(4, dtype=torch.int32))
+    assert y.shape == (0, 32)
+    a = torch.randn(5, 64, generator=gen)
+    out = poisoned((5, 32), torch.float32)
+    mxfp4_grouped_gemm(a, w, s, expert_offsets=torch.tensor([0, 5, 5, 5], dtype=torch.int32),
+                       expert_counts=torch.zeros(3, dtype=torch.int32), out=out)
+    assert bool(torch.isnan(out).all())
+    a3 = torch.randn(3, 4, 64, generator=gen)
+    out3 = poisoned((3, 4, 32), torch.float32)
+    mxfp4_grouped_gemm(a3, w, s, masked_m=torch.zeros(3, dtype=torch.int32), out=out3)
+    assert bool(torch.isnan(out3).all())
+
+
+@pytest.mark.parametrize("mode", SWIGLU_MODES)
+def test_padded_segments(gen, mode):
+    """Segments padded past their counts: padding rows (and rows past offsets[E]) untouched."""
+    E = 5
+    counts = rand_counts(gen, E, 25, empty=1)
+    offsets, cnt, total = make_contiguous(gen, counts, pad_max=6)
+    tail = 4  # rows after offsets[E] belong to nobody either
+    w, s = rand_weights(gen, E, 64, 128)
+    a, _ = rand_act(gen, (total + tail, 128), torch.bfloat16)
+    fuse = mode != "plain"
+    lim = None
+    if mode == "swiglu_limit":
+        a, _, lim = clamp_inputs(gen, a, None, w, s, expert_offsets=offsets, expert_counts=cnt)
+    n_out = 32 if fuse else 64
+    out = poisoned((total + tail, n_out), torch.bfloat16)
+    mxfp4_grouped_gemm(a, w, s, expert_offsets=offsets, expert_counts=cnt, fuse_swiglu=fuse,
+                       swiglu_limit=lim, out=out)
+    owned = torch.zeros(total + tail, dtype=torch.bool)
+    for e in range(E):
+        owned[int(offsets[e]):int(offsets[e]) + counts[e]] = True
+    assert bool(torch.isnan(out[~owned]).all())
+    assert bool(torch.isfinite(out[owned]).all())
+    assert_matches_ref(out, a, w, s, out_dtype=torch.bfloat16, fuse_swiglu=fuse, swiglu_limit=lim,
+                       initial=poisoned(out.shape, torch.float64), expert_offsets=offsets,
+                       expert_counts=cnt)
+
+
+def test_larger_shapes_and_tails(gen):
+    """Several row blocks per expert, tile and micro-kernel tails (N_out not a multiple of 4)."""
+    E, N, K = 3, 2 * 78, 1024
+    counts = [150, 0, 45]
+    offsets, cnt, total = make_contiguous(gen, counts, pad_max=2)
+    w, s = rand_weights(gen, E, N, K)
+    a, _ = rand_act(gen, (total, K), torch.float32)
+    a, _, lim = clamp_inputs(gen, a, None, w, s, expert_offsets=offsets, expert_counts=cnt)
+    out = poisoned((total, N // 2), torch.float32)
+    mxfp4_grouped_gemm(a, w, s, expert_offsets=offsets, expert_counts=cnt, fuse_swiglu=True,
+                       swiglu_limit=lim, out=out)
+    assert_matches_ref(out, a, w, s, out_dtype=torch.float32, fuse_swiglu=True, swiglu_limit=lim,
+                       initial=poisoned(out.shape, torch.float64), expert_offsets=offsets,
+                       expert_counts=cnt)
+
+
+def test_checkpoint_dtypes(gen):
+    """int8 weights and float8_e8m0fnu scales (as stored in checkpoints) are the same bytes."""
+    w, s = rand_weights(gen, 3, 64, 128)
+    a = torch.randn(10, 128, generator=gen)
+    off = torch.tensor([0, 4, 4, 10], dtype=torch.int32)
+    want = mxfp4_grouped_gemm(a, w, s, expert_offsets=off)
+    s2 = s.view(E8M0) if E8M0 is not None else s
+    got = mxfp4_grouped_gemm(a, w.view(torch.int8), s2, expert_offsets=off)
+    assert torch.equal(got, want)
+
+
+def test_extreme_scales(gen):
+    """Scale bytes over (nearly) the whole range decode exactly, float32 subnormals included."""
+    E, N, K = 2, 32, 64
+    w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    # bytes 0..252: 6 * 2^125 is the largest product that stays finite in float32
+    s = torch.randint(0, 253, (E, N, K // 32), dtype=torch.uint8, generator=gen)
+    a = torch.zeros(K, K)
+    a[torch.arange(K), torch.arange(K)] = 1.0  # one-hot rows: Y = W (each entry a single product)
+    off = torch.tensor([0, K // 2, K], dtype=torch.int32)
+    y = mxfp4_grouped_gemm(a, w, s, expert_offsets=off)
+    ref = mxfp4_grouped_gemm_ref(a, w, s, expert_offsets=off)
+    assert torch.equal(y.double(), ref.float().double())
+
+
+# ----------------------------------------------------------------------- properties (hypothesis)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), E=st.integers(1, 6), M=st.integers(0, 30),
+       fuse=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_permuting_experts_permutes_rows(seed, E, M, fuse, dtype):
+    """Renumbering experts and moving their segments along moves the output rows along, bitwise
+    (every output element is computed the same way wherever its expert sits)."""
+    gen = torch.Generator().manual_seed(seed)
+    N, K = 64, 96
+    w, s = rand_weights(gen, E, N, K)
+    counts = rand_counts(gen, E, M)
+    offsets, cnt, total = make_contiguous(gen, counts, pad_max=2)
+    a, _ = rand_act(gen, (total, K), dtype)
+    y = mxfp4_grouped_gemm(a, w, s, expert_offsets=offsets, expert_counts=cnt, fuse_swiglu=fuse,
+                           swiglu_limit=5.0 if fuse else None)
+    perm = torch.randperm(E, generator=gen)  # new expert i = old expert perm[i]
+    seg = (offsets[1:] - offsets[:-1]).tolist()
+    rows = torch.cat([torch.arange(int(offsets[p]), int(offsets[p]) + seg[p]) for p in perm.tolist()]
+                     + [torch.zeros(0, dtype=torch.long)])
+    new_off = torch.tensor([0] + torch.tensor([seg[p] for p in perm.tolist()]).cumsum(0).tolist(),
+                           dtype=torch.int32)
+    y2 = mxfp4_grouped_gemm(a[rows], w[perm].contiguous(), s[perm].contiguous(),
+                            expert_offsets=new_off, expert_counts=cnt[perm].contiguous(),
+                            fuse_swiglu=fuse, swiglu_limit=5.0 if fuse else None)
+    owned = torch.cat([torch.arange(int(new_off[i]), int(new_off[i]) + int(cnt[perm[i]]))
+                       for i in range(E)] + [torch.zeros(0, dtype=torch.long)])
+    assert torch.equal(y2[owned], y[rows][owned])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), E=st.integers(1, 6), cap=st.integers(1, 9),
+       mode=st.sampled_from(SWIGLU_MODES), dtype=st.sampled_from([torch.float32, torch.bfloat16, FP8]))
+def test_contiguous_and_masked_agree(seed, E, cap, mode, dtype):
+    """The same rows laid out contiguously or per-expert give bitwise the same outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    N, K = 32, 128
+    w, s = rand_weights(gen, E, N, K)
+    mm = torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)
+    a3, sc3 = rand_act(gen, (E, cap, K), dtype)
+    fuse, lim = mode != "plain", (3.0 if mode == "swiglu_limit" else None)
+    y3 = mxfp4_grouped_gemm(a3, w, s, masked_m=mm, a_scale=sc3, fuse_swiglu=fuse, swiglu_limit=lim)
+    # Contiguous: expert e's segment is its whole capacity block, counts = masked_m.
+    offsets = torch.arange(0, (E + 1) * cap, cap, dtype=torch.int32)
+    y2 = mxfp4_grouped_gemm(a3.reshape(E * cap, K), w, s, expert_offsets=offsets, expert_counts=mm,
+                            a_scale=None if sc3 is None else sc3.reshape(E * cap, -1),
+                            fuse_swiglu=fuse, swiglu_limit=lim)
+    owned = torch.arange(cap)[None, :] < mm[:, None]
+    assert torch.equal(y2.reshape(E, cap, -1)[owned].view(torch.uint8),
+                       y3[owned].view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------- bad inputs
+def _good(gen=None, *, masked=False, dtype=torch.float32, E=3, N=32, K=128, M=6, cap=4):
+    g = gen or torch.Generator().manual_seed(0)
+    w, s = rand_weights(g, E, N, K)
+    if masked:
+        a, a_scale = rand_act(g, (E, cap, K), dtype)
+        lay = {"masked_m": torch.tensor([1, 0, cap][:E] + [0] * max(0, E - 3), dtype=torch.int32)}
+    else:
+        a, a_scale = rand_act(g, (M, K), dtype)
+        lay = {"expert_offsets": torch.tensor([0, 2, 2, M], dtype=torch.int32)}
+    kw = dict(lay)
+    if a_scale is not None:
+        kw["a_scale"] = a_scale
+    return a, w, s, kw
+
+
+def _raises(exc, match, a, w, s, **kw):
+    with pytest.raises(exc, match=match):
+        mxfp4_grouped_gemm(a, w, s, **kw)
+
+
+def test_good_inputs_pass():
+    for masked in (False, True):
+        for dtype in (torch.float32, torch.bfloat16, FP8):
+            a, w, s, kw = _good(masked=masked, dtype=dtype)
+            mxfp4_grouped_gemm(a, w, s, **kw)
+
+
+def test_bad_k():
+    a, w, s, kw = _good()
+    a48 = torch.randn(6, 48)
+    w48 = torch.zeros(3, 32, 24, dtype=torch.uint8)
+    s48 = torch.zeros(3, 32, 1, dtype=torch.uint8)
+    _raises(ValueError, r"K = a\.shape\[-1\] = 48 must be a positive multiple of 32", a48, w48, s48,
+            **kw)
+    _raises(ValueError, r"w must have shape \[E, N, K/2\].*K = 128", a, w[:, :, :32].contiguous(),
+            s, **kw)
+    a8, w8, s8, kw8 = _good(dtype=FP8, K=96)
+    kw8["a_scale"] = torch.ones(6, 1)
+    _raises(ValueError, r"K = a\.shape\[-1\] = 96 must be a multiple of 128", a8, w8, s8, **kw8)
+
+
+def test_bad_types_and_dtypes():
+    a, w, s, kw = _good()
+    _raises(TypeError, r"a must be a torch\.Tensor", a.numpy(), w, s, **kw)
+    _raises(TypeError, r"a must have dtype", a.half(), w, s, **kw)
+    _raises(TypeError, r"w must have dtype", a, w.float(), s, **kw)
+    _raises(TypeError, r"w must be a torch\.Tensor", a, [1], s, **kw)
+    _raises(TypeError, r"w_scale must have dtype", a, w, s.to(torch.int32), **kw)
+    _raises(TypeError, r"w_scale must be a torch\.Tensor", a, w, None, **kw)
+    _raises(TypeError, r"expert_offsets must have dtype", a, w, s,
+            expert_offsets=kw["expert_offsets"].long())
+    _raises(TypeError, r"expert_offsets must be a torch\.Tensor", a, w, s,
+            expert_offsets=[0, 2, 2, 6])
+    _raises(TypeError, r"expert_counts must have dtype", a, w, s, **kw,
+            expert_counts=torch.tensor([2, 0, 4]))
+    a3, w3, s3, kw3 = _good(masked=True)
+    _raises(TypeError, r"masked_m must have dtype", a3, w3, s3,
+            masked_m=kw3["masked_m"].to(torch.int64))
+    a8, w8, s8, kw8 = _good(dtype=FP8)
+    _raises(TypeError, r"a_scale must have dtype", a8, w8, s8, expert_offsets=kw8["expert_offsets"],
+            a_scale=kw8["a_scale"].bfloat16())
+    _raises(TypeError, r"out_dtype must be float32 or bfloat16", a, w, s, **kw,
+            out_dtype=torch.float16)
+    _raises(TypeError, r"out_dtype must be a torch\.dtype", a, w, s, **kw, out_dtype="float32")
+    _raises(TypeError, r"out must have dtype float32", a, w, s, **kw,
+            out=torch.empty(6, 32, dtype=torch.bfloat16))
+    _raises(TypeError, r"fuse_swiglu must be a bool", a, w, s, **kw, fuse_swiglu=1)
+    _raises(TypeError, r"swiglu_limit must be a float", a, w, s, **kw, fuse_swiglu=True,
+            swiglu_limit="10")
+    _raises(TypeError, r"check must be a bool", a, w, s, **kw, check=1)
+
+
+def test_bad_shapes():
+    a, w, s, kw = _good()
+    _raises(ValueError, r"a must be 2-D", a[None], w, s, **kw)
+    _raises(ValueError, r"w must be 3-D", a, w[0], s, **kw)
+    _raises(ValueError, r"w_scale must have shape \[3, 32, 4\]", a, w, s[:, :16].contiguous(), **kw)
+    _raises(ValueError, r"w_scale must be 3-D", a, w, s[0], **kw)
+    _raises(ValueError, r"expert_offsets must have shape \[4\]", a, w, s,
+            expert_offsets=kw["expert_offsets"][:3].contiguous())
+    _raises(ValueError, r"expert_counts must have shape \[3\]", a, w, s, **kw,
+            expert_counts=torch.zeros(4, dtype=torch.int32))
+    _raises(ValueError, r"out must have shape \[6, 32\]", a, w, s, **kw, out=torch.empty(6, 16))
+    _raises(ValueError, r"out must have shape \[6, 16\]", a, w, s, **kw, fuse_swiglu=True,
+            out=torch.empty(6, 32))
+    a3, w3, s3, kw3 = _good(masked=True)
+    _raises(ValueError, r"a must be 3-D", a3[0], w3, s3, **kw3)
+    _raises(ValueError, r"a must have shape \[E, cap, K\] with E = 3", a3[:2].contiguous(), w3, s3,
+            **kw3)
+    _raises(ValueError, r"masked_m must have shape \[3\]", a3, w3, s3,
+            masked_m=torch.zeros(2, dtype=torch.int32))
+    _raises(ValueError, r"out must have shape \[3, 4, 32\]", a3, w3, s3, **kw3,
+            out=torch.empty(3, 5, 32))
+    a8, w8, s8, kw8 = _good(dtype=FP8)
+    _raises(ValueError, r"a_scale must have shape \[6, 1\]", a8, w8, s8,
+            expert_offsets=kw8["expert_offsets"], a_scale=torch.ones(6, 2))
+    _raises(ValueError, r"w must be \[E, N, K/2\] with E >= 1", a, w[:0], s[:0],
+            expert_offsets=torch.zeros(1, dtype=torch.int32))
+
+
+def test_non_contiguous():
+    a, w, s, kw = _good()
+    _raises(ValueError, r"a must be contiguous", torch.randn(128, 6).t(), w, s, **kw)
+    wide = torch.zeros(3, 32, 128, dtype=torch.uint8)
+    _raises(ValueError, r"w must be contiguous", a, wide[:, :, ::2], s, **kw)
+    _raises(ValueError, r"w_scale must be contiguous", a, w, torch.zeros(3, 32, 8,
+            dtype=torch.uint8)[:, :, ::2], **kw)
+    _raises(ValueError, r"expert_offsets must be contiguous", a, w, s,
+            expert_offsets=torch.tensor([0, 9, 2, 9, 2, 9, 6], dtype=torch.int32)[::2])
+    _raises(ValueError, r"out must be contiguous", a, w, s, **kw, out=torch.empty(32, 6).t())
+
+
+def test_mixed_devices():
+    a, w, s, kw = _good()
+    meta = torch.device("meta")
+    _raises(ValueError, r"w must be on cpu", a, w.to(meta), s, **kw)
+    _raises(ValueError, r"w_scale must be on cpu", a, w, s.to(meta), **kw)
+    _raises(ValueError, r"expert_offsets must be on cpu", a, w, s,
+            expert_offsets=kw["expert_offsets"].to(meta))
+    _raises(ValueError, r"out must be on cpu", a, w, s, **kw, out=torch.empty(6, 32, device=meta))
+    a3, w3, s3, kw3 = _good(masked=True)
+    _raises(ValueError, r"masked_m must be on cpu", a3, w3, s3, masked_m=kw3["masked_m"].to(meta))
+    _raises(ValueError, r"must be on 'cpu' or 'cuda'", a.to(meta), w.to(meta), s.to(meta),
+            expert_offsets=kw["expert_offsets"].to(meta))
+
+
+def test_layout_selection():
+    a, w, s, kw = _good()
+    both = dict(kw, masked_m=torch.zeros(3, dtype=torch.int32))
+    _raises(ValueError, r"exactly one of expert_offsets .* or masked_m .*got both", a, w, s, **both)
+    _raises(ValueError, r"exactly one of expert_offsets .* or masked_m .*got neither", a, w, s)
+    a3, w3, s3, kw3 = _good(masked=True)
+    _raises(ValueError, r"expert_counts is only for the contiguous layout", a3, w3, s3, **kw3,
+            expert_counts=torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("check", [None, False, True])  # CPU tensors are always validated
+def test_bad_routing_values(check):
+    a, w, s, kw = _good()
+    off = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    _raises(ValueError, r"expert_offsets must be nondecreasing.*expert_offsets\[1\] = 4 > "
+            r"expert_offsets\[2\] = 2", a, w, s, expert_offsets=off(0, 4, 2, 6), check=check)
+    _raises(ValueError, r"expert_offsets\[E\] = 7 must be <= M = a\.shape\[0\] = 6", a, w, s,
+            expert_offsets=off(0, 2, 2, 7), check=check)
+    _raises(ValueError, r"expert_offsets\[0\] must be >= 0", a, w, s,
+            expert_offsets=off(-1, 2, 2, 6), check=check)
+    _raises(ValueError, r"expert_counts\[2\] = 5 must be in \[0, .* = 4\]", a, w, s, **kw,
+            expert_counts=off(2, 0, 5), check=check)
+    _raises(ValueError, r"expert_counts\[0\] = -1 must be in", a, w, s, **kw,
+            expert_counts=off(-1, 0, 4), check=check)
+    a3, w3, s3, _ = _good(masked=True)
+    _raises(ValueError, r"masked_m values must be in \[0, cap = a\.shape\[1\] = 4\], got "
+            r"masked_m\[1\] = 5", a3, w3, s3, masked_m=off(0, 5, 1), check=check)
+    _raises(ValueError, r"masked_m values must be in .*masked_m\[2\] = -2", a3, w3, s3,
+            masked_m=off(0, 1, -2), check=check)
+
+
+def test_bad_scales_and_swiglu():
+    a8, w8, s8, kw8 = _good(dtype=FP8)
+    _raises(ValueError, r"a_scale .* is required when a is float8_e4m3fn", a8, w8, s8,
+            expert_offsets=kw8["expert_offsets"])
+    a, w, s, kw = _good()
+    _raises(ValueError, r"a_scale must be None for float32 a", a, w, s, **kw,
+            a_scale=torch.ones(6, 1))
+    ab, wb, sb, kwb = _good(dtype=torch.bfloat16)
+    _raises(ValueError, r"a_scale must be None for bfloat16 a", ab, wb, sb, **kwb,
+            a_scale=torch.ones(6, 1))
+    wo, so = rand_weights(torch.Generator().manual_seed(1), 3, 33, 128)
+    _raises(ValueError, r"fuse_swiglu needs an even N = w\.shape\[1\].*N = 33", a, wo, so, **kw,
+            fuse_swiglu=True)
+    _raises(ValueError, r"swiglu_limit is only meaningful with fuse_swiglu=True", a, w, s, **kw,
+            swiglu_limit=10.0)
+    for bad in (0.0, -1.0):
+        _raises(ValueError, r"swiglu_limit must be > 0", a, w, s, **kw, fuse_swiglu=True,
+                swiglu_limit=bad)
+    for bad in (math.inf, math.nan):
+        _raises(ValueError, r"swiglu_limit must be finite", a, w, s, **kw, fuse_swiglu=True,
+                swiglu_limit=bad)
+
+
+def test_out_alias():
+    g = torch.Generator().manual_seed(0)
+    w, s = rand_weights(g, 1, 64, 64)
+    a = torch.randn(5, 64, generator=g)
+    off = torch.tensor([0, 5], dtype=torch.int32)
+    _raises(ValueError, r"output out must not alias input a", a, w, s, expert_offsets=off, out=a)
+
+
+# ------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("mode", SWIGLU_MODES)
+def test_cuda_matches_reference(gen, masked, dtype, mode):
+    """The CUDA path (for now the interim torch path) against the reference, on the GPU."""
+    E, N, K = 6, 96, 256
+    w, s = rand_weights(gen, E, N, K)
+    if masked:
+        cap = 9
+        layout = {"masked_m": torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)}
+        a, a_scale = rand_act(gen, (E, cap, K), dtype)
+        rows = (E, cap)
+    else:
+        counts = rand_counts(gen, E, 40, empty=2)
+        offsets, cnt, total = make_contiguous(gen, counts, pad_max=3)
+        layout = {"expert_offsets": offsets, "expert_counts": cnt}
+        a, a_scale = rand_act(gen, (total, K), dtype)
+        rows = (total,)
+    fuse = mode != "plain"
+    lim = None
+    if mode == "swiglu_limit":
+        a, a_scale, lim = clamp_inputs(gen, a, a_scale, w, s, **layout)
+    od = default_out_dtype(a)
+    n_out = N // 2 if fuse else N
+    dev = torch.device("cuda")
+    cu = {k: v.to(dev) for k, v in layout.items()}
+    out = poisoned((*rows, n_out), od).to(dev)
+    got = mxfp4_grouped_gemm(a.to(dev), w.to(dev), s.to(dev), a_scale=None if a_scale is None
+                             else a_scale.to(dev), fuse_swiglu=fuse, swiglu_limit=lim, out=out,
+                             check=True, **cu)
+    assert got.device.type == "cuda"
+    assert_matches_ref(got.cpu(), a, w, s, out_dtype=od, fuse_swiglu=fuse, swiglu_limit=lim,
+                       initial=poisoned((*rows, n_out), torch.float64), a_scale=a_scale, **layout)
