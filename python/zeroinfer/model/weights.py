@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 
 from zeroinfer.model.config import ModelConfig
+from zeroinfer.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4, ue8m0_to_float32
 
 FP8_BLOCK = 128
 E4M3_MAX = 448.0
@@ -165,17 +166,6 @@ def _scale_name(weight_key: str) -> str:
 # --------------------------------------------------------------------------------------------
 # number formats
 
-def _dt(t: torch.dtype) -> str:
-    return str(t).replace("torch.", "")
-
-
-def ue8m0_to_float(b: torch.Tensor) -> torch.Tensor:
-    """UE8M0 bytes (uint8 or float8_e8m0fnu) -> float32 2^(b-127), exactly (b=0 -> 2^-127)."""
-    b = b.view(torch.uint8).to(torch.int32)
-    bits = torch.where(b > 0, b << 23, torch.full_like(b, 0x00400000))
-    return bits.view(torch.float32)
-
-
 def _scale_to_float(scale: torch.Tensor, name: str) -> torch.Tensor:
     if scale.dtype == torch.float32:
         if not bool(torch.isfinite(scale).all()):
@@ -183,7 +173,7 @@ def _scale_to_float(scale: torch.Tensor, name: str) -> torch.Tensor:
         return scale
     if bool((scale.view(torch.uint8) == 255).any()):
         raise ValueError(f"scale tensor {name!r} holds the UE8M0 NaN byte 0xFF")
-    return ue8m0_to_float(scale)
+    return ue8m0_to_float32(scale)
 
 
 def _scale_to_ue8m0(scale: torch.Tensor, name: str) -> torch.Tensor:
@@ -213,8 +203,12 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, name: str = "weight") -
         q = q.view(torch.float8_e4m3fn)
     *_, n, k = q.shape
     s = _scale_to_float(scale, name + " scale")
-    s = s.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
-    return q.to(torch.float32) * s
+    s = s.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :]
+    s = s.repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
+    w = q.to(torch.float32) * s
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"FP8 tensor {name!r} holds NaN/inf codes (or its scale overflows)")
+    return w
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,26 +224,16 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e = torch.where(mant > 0.5, ex, ex - 1).to(torch.int32)  # ceil(log2 x)
     e = torch.where(amax > 0, e, torch.zeros_like(e)).clamp(-127, 127)
     byte = (e + 127).to(torch.uint8)
-    s = ue8m0_to_float(byte)
+    s = ue8m0_to_float32(byte)
     s_full = s.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
     q = (w / s_full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, byte.view(torch.float8_e8m0fnu)
 
 
-def _mxfp4():
-    try:
-        from zeroinfer.quant import mxfp4
-    except ImportError as e:  # pragma: no cover - until zeroinfer.quant.mxfp4 is present
-        raise ImportError("routed experts stored as dense/FP8 floats need zeroinfer.quant.mxfp4 "
-                          f"(quantize_mxfp4 / dequantize_mxfp4): {e}") from e
-    return mxfp4
-
-
 def _requantize_exact(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    mx = _mxfp4()
     w = w.to(torch.float32)
-    packed, scale = mx.quantize_mxfp4(w)
-    back = mx.dequantize_mxfp4(packed, scale).to(torch.float32)
+    packed, scale = quantize_mxfp4(w)
+    back = dequantize_mxfp4(packed, scale)
     if back.shape != w.shape or not bool((back == w).all()):
         bad = int((back != w).sum()) if back.shape == w.shape else w.numel()
         raise ValueError(
@@ -509,7 +493,8 @@ def _plan(files: _Files, config: ModelConfig, params: dict[str, torch.Tensor]) -
             recipes.append(_Recipe("plain", [hf], [k], key=k))
     if unknown:
         problems.insert(0, f"{files.path}: unknown tensor(s) {', '.join(unknown)}: not a "
-                        f"parameter of this model ({c.num_hidden_layers} layers, {E} routed experts)")
+                        f"parameter of this model ({c.num_hidden_layers} layers, "
+                        f"{E} routed experts)")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -520,8 +505,9 @@ def _plan(files: _Files, config: ModelConfig, params: dict[str, torch.Tensor]) -
         if missing:
             names = [re.sub(r"experts\.\d+\.w[123]\.", f"experts.{e}.{w}.", template)
                      for e, w in missing]
+            more = f" and {len(names) - 8} more" if len(names) > 8 else ""
             raise ValueError(f"{files.path}: layer {layer} routed experts incomplete: missing "
-                             f"{names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+                             f"{names[:8]}{more}")
         r = _Recipe("experts_native", [f"model.layers.{layer}.mlp.experts.{p}_{q}"
                                        for p in ("gate_up", "down") for q in ("blocks", "scales")],
                     [], layer=layer)
@@ -684,12 +670,13 @@ def _state_of(model_or_state) -> dict[str, torch.Tensor]:
     net = getattr(model_or_state, "net", model_or_state)
     if not hasattr(net, "state_dict"):
         raise TypeError("save_checkpoint: model_or_state must be a zeroinfer Model, a "
-                        f"DeepseekV4ForCausalLM or a state dict, got {type(model_or_state).__name__}")
+                        "DeepseekV4ForCausalLM or a state dict, got "
+                        f"{type(model_or_state).__name__}")
     return net.state_dict()
 
 
 def _dequantize_packed(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _mxfp4().dequantize_mxfp4(blocks.view(torch.uint8), scales.view(torch.uint8)).to(torch.float32)
+    return dequantize_mxfp4(blocks, scales)
 
 
 def _native_tensors(state, config: ModelConfig, layout: str, fp8: bool):
@@ -704,7 +691,8 @@ def _native_tensors(state, config: ModelConfig, layout: str, fp8: bool):
             layer, proj = int(m[1]), m[2]
             blocks = t.view(torch.uint8)
             scales = state[name[: -len("blocks")] + "scales"].detach().cpu().view(torch.uint8)
-            parts = [("w1", slice(0, I)), ("w3", slice(I, 2 * I))] if proj == "gate_up" else [("w2", slice(None))]
+            parts = ([("w1", slice(0, I)), ("w3", slice(I, 2 * I))] if proj == "gate_up"
+                     else [("w2", slice(None))])
             for e in range(blocks.shape[0]):
                 for w, rows in parts:
                     n = expert_name(layout, layer, e, w)
@@ -792,7 +780,8 @@ def save_checkpoint(path, model_or_state, config: ModelConfig, *, layout: str = 
         save_file(out, str(path / SINGLE_FILE), metadata=meta)
         return path
     if max_shard_bytes < 1:
-        raise ValueError(f"save_checkpoint: max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise ValueError("save_checkpoint: max_shard_bytes must be positive, got "
+                         f"{max_shard_bytes}")
     # stream: write each shard once full under a temporary name, rename once the count is known
     written: list[tuple[Path, list[str]]] = []
     shard: dict[str, torch.Tensor] = {}
