@@ -18,13 +18,16 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python3 -c 'import zeroinfer, json; print(json.dumps(zeroinfer.build_info()))' | tee -a "$OUT/env.log"
 
 # All tests (GPU ones included): the CPU ones run here too, under Python 3.12 / torch 2.11.
-ZEROINFER_EXPECT_CUDA=1 python3 -m pytest -q -p no:cacheprovider "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
+ZEROINFER_EXPECT_CUDA=1 ZEROINFER_RESULTS_DIR="$OUT/h200" python3 -m pytest -q -p no:cacheprovider \
+  "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
 
 # compute-sanitizer on a representative run of each CUDA kernel.
 for tool in memcheck racecheck; do
+  echo "== $tool" >> "$OUT/sanitizer.log"
   compute-sanitizer --tool "$tool" --error-exitcode 9 python3 bench/sanitize_cases.py \
-    > "$OUT/sanitizer_$tool.log" 2>&1
-  echo "compute-sanitizer $tool: exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log")"
+    > "$OUT/sanitizer_$tool.tmp" 2>&1
+  echo "compute-sanitizer $tool: exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.tmp")"
+  cat "$OUT/sanitizer_$tool.tmp" >> "$OUT/sanitizer.log" && rm "$OUT/sanitizer_$tool.tmp"
 done
 
 for b in bench/bench_dispatch_combine.py bench/bench_length_correction.py ${ZI_EXTRA_BENCH:-}; do
