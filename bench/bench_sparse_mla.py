@@ -17,6 +17,7 @@ streams every selected row once per token must move.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -145,7 +146,9 @@ def main() -> None:
                                extra={"ceilings": ceilings,
                                       "torch_baseline": "_sparse_mla_torch: gather + dequant, "
                                       "float32 einsum, softmax with sink (interim CUDA path)",
-                                      "threads": _C.num_threads()},
+                                      "threads": _C.num_threads(),
+                                      # other work on a shared machine skews CPU numbers
+                                      "load_average_1_5_15": list(os.getloadavg())},
                                out_dir=Path(args.out_dir) if args.out_dir else None)
     print(f"wrote {path}")
 

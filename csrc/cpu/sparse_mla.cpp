@@ -128,13 +128,40 @@ inline Vec load_vec(const float* p) {
   return v;
 }
 inline void store_vec(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(Vec)); }
-// Sum of the lanes as a tree (log2(kVec) dependent steps instead of kVec - 1).
+// Sum of the lanes as a tree (log2(kVec) dependent steps instead of kVec - 1); for the blocks
+// that hsum4 does not cover.
 inline float hsum(Vec v) {
   float t[kVec];
   store_vec(t, v);
   for (int w = kVec / 2; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) t[l] += t[l + w];
   return t[0];
+}
+
+// The lane sums of four 16-lane vectors at once, in registers: each step adds the two halves
+// of two vectors packed side by side; 13 shuffles/adds for the four sums instead of four
+// separate trees. (A round trip through memory, as in hsum, stalls on store forwarding here.)
+using Vec16 = float __attribute__((vector_size(16 * sizeof(float))));
+inline void hsum4(Vec16 a, Vec16 b, Vec16 c, Vec16 d, float* out) {
+#define ZI_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define ZI_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+  // ab = [a (8 partial sums) | b (8)], cd likewise
+  const Vec16 ab = __builtin_shufflevector(a, b, ZI_LO8) + __builtin_shufflevector(a, b, ZI_HI8);
+  const Vec16 cd = __builtin_shufflevector(c, d, ZI_LO8) + __builtin_shufflevector(c, d, ZI_HI8);
+#undef ZI_LO8
+#undef ZI_HI8
+  // x = [a (4) | b (4) | c (4) | d (4)]
+  const Vec16 x =
+      __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+      __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const Vec16 y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15,
+                                              12, 13);
+  const Vec16 z = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12,
+                                              15, 14);
+  out[0] = z[0];
+  out[1] = z[4];
+  out[2] = z[8];
+  out[3] = z[12];
 }
 
 // s[h][j] = q_h . k_j for HB heads and KB keys; each loaded q / k vector feeds KB / HB FMAs.
@@ -149,8 +176,13 @@ inline void dot_block(const float* q, const float* const* k, float* s, int s_str
       for (int j = 0; j < KB; ++j) acc[h][j] += qv * kv[j];
     }
   }
-  for (int h = 0; h < HB; ++h)
-    for (int j = 0; j < KB; ++j) s[h * s_stride + j] = hsum(acc[h][j]);
+  for (int h = 0; h < HB; ++h) {
+    if constexpr (KB == 4 && kVec == 16) {
+      hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3], s + h * s_stride);
+    } else {
+      for (int j = 0; j < KB; ++j) s[h * s_stride + j] = hsum(acc[h][j]);
+    }
+  }
 }
 
 // o_h = alpha_h * o_h + sum_j p[h][j] k_j for HB heads, kAccVecs vectors of columns at a time
