@@ -32,4 +32,22 @@ def build_info() -> dict[str, object]:
     }
 
 
-__all__ = ["__version__", "build_info"]
+def __getattr__(name: str):
+    # LLM / SamplingParams are imported on first use so `import zeroinfer` (and build_info)
+    # stays cheap and never pulls the engine in.
+    if name == "LLM":
+        from zeroinfer.llm import LLM
+
+        return LLM
+    if name == "RequestOutput":
+        from zeroinfer.llm import RequestOutput
+
+        return RequestOutput
+    if name == "SamplingParams":
+        from zeroinfer.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'zeroinfer' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__", "build_info"]

@@ -1,0 +1,133 @@
+"""The `zeroinfer` command line: generate, chat, bench. The default model is a tiny dummy, so
+`zeroinfer generate "Hello"` works on a fresh CPU machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="dummy", help='checkpoint dir or "dummy[:name]" (default: dummy)')
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sync", action="store_true", help="disable the zero-overhead async pipeline")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _llm(a):
+    from zeroinfer import LLM
+
+    return LLM(a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+               max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
+               seed=a.seed, async_scheduling=not a.sync)
+
+
+def _params(a):
+    from zeroinfer import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
+                          top_p=a.top_p, min_p=a.min_p, stop=a.stop, ignore_eos=a.ignore_eos)
+
+
+def cmd_generate(a) -> int:
+    prompts = list(a.prompts)
+    if a.file:
+        with open(a.file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts and not sys.stdin.isatty():
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("zeroinfer generate: no prompts (give them as arguments, --file or stdin)", file=sys.stderr)
+        return 2
+    llm = _llm(a)
+    outs = llm.generate(prompts, _params(a), use_tqdm=not a.quiet)
+    for o in outs:
+        print(json.dumps({"request_id": o.request_id, "prompt": o.prompt, "text": o.text,
+                          "token_ids": o.token_ids, "finish_reason": o.finish_reason},
+                         ensure_ascii=False))
+    return 0
+
+
+def cmd_chat(a) -> int:
+    llm = _llm(a)
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+
+    def reply(text: str) -> None:
+        messages.append({"role": "user", "content": text})
+        out = llm.chat(messages, _params(a), use_tqdm=False)[0]
+        m = out.message
+        content = getattr(m, "content", out.text)
+        if getattr(m, "reasoning_content", None):
+            print(f"[thinking] {m.reasoning_content}")
+        print(content)
+        messages.append({"role": "assistant", "content": content})
+
+    if a.message:
+        reply(a.message)
+        return 0
+    try:
+        while True:
+            line = input("> ")
+            if line.strip() in ("/exit", "/quit"):
+                return 0
+            if line.strip():
+                reply(line)
+    except EOFError:
+        return 0
+
+
+def cmd_bench(a) -> int:
+    from zeroinfer.engine.bench import run_engine_bench
+
+    run_engine_bench(a)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="zeroinfer", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="complete prompts; prints one JSON object per prompt")
+    g.add_argument("prompts", nargs="*")
+    g.add_argument("--file", help="a file with one prompt per line")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    _engine_args(g)
+    _sampling_args(g)
+    g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("chat", help="chat with the model (interactive, or one-shot with -m)")
+    c.add_argument("-m", "--message")
+    c.add_argument("--system")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(fn=cmd_chat)
+    b = sub.add_parser("bench", help="synthetic workload: prints a table and writes JSON")
+    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--input-len", type=int, default=64)
+    b.add_argument("--output-len", type=int, default=32)
+    b.add_argument("--out", default=None, help="JSON path (default bench/results/<machine>/engine.json)")
+    _engine_args(b)
+    b.set_defaults(fn=cmd_bench)
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, TypeError) as e:
+        print(f"zeroinfer {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

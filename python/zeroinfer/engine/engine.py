@@ -1,0 +1,188 @@
+"""LLMEngine: owns the model, caches, scheduler and runner, and drives rounds.
+
+Synchronous mode: schedule N, launch N, wait, commit N.
+Zero-overhead mode (default): schedule N+1 and launch it BEFORE committing N, then commit N
+while the device runs N+1. The device never waits for Python between rounds; the host catches
+up one round behind. Both modes produce identical tokens (the sampler's randomness is keyed by
+request seed and position, and the length correction places exactly the committed tokens).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from zeroinfer.engine.block_manager import BlockManager
+from zeroinfer.engine.request import Request
+from zeroinfer.engine.runner import ModelRunner, RoundHandle
+from zeroinfer.engine.scheduler import ScheduledBatch, Scheduler
+from zeroinfer.model import Model
+from zeroinfer.model.cache import CacheSpec, allocate_caches
+from zeroinfer.model.config import CSA, HCA
+from zeroinfer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    kv_cache_bytes: int | None = None  # None: room for max_num_seqs full-length sequences
+    window_block_size: int = 16
+    csa_block_size: int = 16
+    hca_block_size: int = 4
+    async_scheduling: bool = True
+    forbid_host_sync: bool = False  # CUDA: raise on any host sync inside the launch path
+
+    def __post_init__(self) -> None:
+        for f in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "window_block_size",
+                  "csa_block_size", "hca_block_size"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive int, got {v!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+
+
+def kv_bytes_per_token(model: Model) -> dict[str, float]:
+    """Cache bytes one token costs, per kind, over all layers (the layout's theoretical size)."""
+    c = model.config
+    es = torch.finfo(model.net.dtype).bits // 8
+    n_csa = sum(t == CSA for t in c.layer_types)
+    n_hca = sum(t == HCA for t in c.layer_types)
+    return {"window": c.num_hidden_layers * c.head_dim * es,
+            "csa": n_csa * (c.head_dim + c.index_head_dim) * es / c.csa_rate,
+            "hca": n_hca * c.head_dim * es / c.hca_rate}
+
+
+def cache_spec(model: Model, cfg: EngineConfig) -> CacheSpec:
+    per_tok = kv_bytes_per_token(model)
+    if cfg.kv_cache_bytes is None:
+        tokens = cfg.max_num_seqs * cfg.max_model_len
+    else:
+        tokens = int(cfg.kv_cache_bytes // sum(per_tok.values()))
+    c = model.config
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    return CacheSpec(
+        num_window_blocks=max(1, cdiv(tokens, cfg.window_block_size)),
+        num_csa_blocks=max(1, cdiv(tokens // c.csa_rate, cfg.csa_block_size)),
+        num_hca_blocks=max(1, cdiv(tokens // c.hca_rate, cfg.hca_block_size)),
+        num_state_slots=cfg.max_num_seqs, window_block_size=cfg.window_block_size,
+        csa_block_size=cfg.csa_block_size, hca_block_size=cfg.hca_block_size)
+
+
+class LLMEngine:
+    def __init__(self, model: Model, cfg: EngineConfig, *, seed: int = 0, tokenizer=None) -> None:
+        self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        self.spec = cache_spec(model, cfg)
+        caches = allocate_caches(model.config, self.spec, model.net.dtype, model.device)
+        self.blocks = BlockManager(model.config, self.spec)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_model_len=cfg.max_model_len)
+        self.runner = ModelRunner(model.net, caches, model.device, forbid_sync=cfg.forbid_host_sync)
+        self.scheduler.round_done = self._round_done
+        self.rng = random.Random(seed)
+        self.counter = itertools.count()
+        self.requests: dict[str, Request] = {}
+        self.inflight: tuple[ScheduledBatch, RoundHandle] | None = None
+        self.live: dict[int, RoundHandle] = {}
+        self.eos = set(model.config.eos_token_id)
+        self.rounds = 0
+
+    def close(self) -> None:
+        self.runner.close()
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *,
+                    request_id: str | None = None, prompt_logits: bool = False) -> Request:
+        """Validate and queue a request; raises ValueError/TypeError, leaving the engine as it was."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        V = self.model.config.vocab_size
+        for i, t in enumerate(prompt_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+                raise ValueError(f"prompt token {i} = {t!r} is outside the vocabulary [0, {V})")
+        if len(prompt_ids) > self.cfg.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than max_model_len="
+                             f"{self.cfg.max_model_len}")
+        longest = min(len(prompt_ids) + params.max_tokens, self.cfg.max_model_len)
+        if not self.blocks.can_grow({}, 0) or any(
+                k.blocks_for(longest) > k.num_blocks for k in self.blocks.kinds):
+            raise ValueError(f"a request of up to {longest} tokens cannot fit in the KV cache; "
+                             "raise kv_cache_bytes or lower max_tokens")
+        rid = request_id if request_id is not None else str(next(self.counter))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        req = Request(rid, len(self.requests), list(prompt_ids), params, seed,
+                      want_prompt_logits=prompt_logits)
+        if params.stop and self.tokenizer is not None:
+            from zeroinfer.tokenizer import IncrementalDetokenizer
+
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r}")
+        self.scheduler.abort(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self.inflight is not None
+
+    # --- rounds -----------------------------------------------------------------------------
+    def _round_done(self, rid: int, wait: bool) -> bool:
+        h = self.live.get(rid)
+        if h is None:
+            return True
+        if wait:
+            h.wait()
+            return True
+        return h.done()
+
+    def _on_token(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+            return "stop"
+        if req.detok is not None:
+            _, hit = req.detok.push([tok])
+            if hit:
+                return "stop"
+        return None
+
+    def _commit(self, batch: ScheduledBatch, handle: RoundHandle) -> list[Request]:
+        result = handle.result()
+        done = self.scheduler.commit(batch, result, self._on_token)
+        self.live.pop(batch.round_id, None)
+        return done
+
+    def step(self) -> list[Request]:
+        """Advance by one round; returns requests that finished during this call."""
+        prev = self.inflight
+        batch = self.scheduler.schedule(prev[0] if (prev and self.cfg.async_scheduling) else None)
+        handle = None
+        if batch.rows:
+            handle = self.runner.launch(batch, prev[1] if prev else None)
+            self.live[batch.round_id] = handle
+            self.rounds += 1
+        finished = []
+        if prev is not None:  # commit round N while round N+1 runs
+            finished += self._commit(*prev)
+        self.inflight = (batch, handle) if handle is not None else None
+        if not self.cfg.async_scheduling and self.inflight is not None:
+            finished += self._commit(*self.inflight)
+            self.inflight = None
+        return finished
+
+    def drain(self) -> None:
+        while self.has_work():
+            self.step()

@@ -1,0 +1,230 @@
+"""ModelRunner: ScheduledBatch -> device tensors -> length correction -> model -> sampler.
+
+launch() never waits for the device: on CUDA it enqueues kernels on the current stream and
+records an event; on CPU the same work is handed to `EmulatedDevice`, an in-order worker thread
+that completes rounds one after another and sets an event per round, so the one-round-ahead
+pipeline runs the same code paths in CI as on a GPU. The host reads a round's results only
+through RoundHandle.result(), after the round's event.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from zeroinfer import ops
+from zeroinfer.engine.scheduler import RoundResult, ScheduledBatch
+from zeroinfer.model.cache import ForwardBatch, LayerCache
+from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+from zeroinfer.sampling.sampler import SamplingBatch, sample
+
+KINDS = ("window", "csa", "hca")
+
+
+class EmulatedDevice:
+    """An in-order 'device' for CPU runs: one worker thread executing submitted work in order."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="zeroinfer-device", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn = self.q.get()
+            if fn is None:
+                return
+            fn()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.q.put(fn)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+
+
+class RoundHandle:
+    """One launched round: its device outputs and the event that says they are complete."""
+
+    def __init__(self, batch: ScheduledBatch, cuda: bool) -> None:
+        self.batch = batch
+        self.cuda = cuda
+        self.event = torch.cuda.Event() if cuda else threading.Event()
+        self.error: BaseException | None = None
+        self.tokens: torch.Tensor | None = None  # device [S] int64: next-round inputs come from here
+        self.host: dict[str, torch.Tensor] = {}
+        self.prompt_logits: dict[int, torch.Tensor] = {}
+
+    def done(self) -> bool:
+        return self.event.query() if self.cuda else self.event.is_set()
+
+    def wait(self) -> None:
+        if self.cuda:
+            self.event.synchronize()
+        else:
+            self.event.wait()
+        if self.error is not None:
+            raise self.error
+
+    def result(self) -> RoundResult:
+        self.wait()
+        h = self.host
+        if "tokens" not in h:
+            return RoundResult(tokens=[], prompt_logits=self.prompt_logits)
+        top = None
+        if "top_ids" in h:
+            top = [list(zip(i, p)) for i, p in zip(h["top_ids"].tolist(), h["top_logprobs"].tolist())]
+        return RoundResult(tokens=h["tokens"].tolist(), logprobs=h["logprob"].tolist(), top=top,
+                           prompt_logits=self.prompt_logits)
+
+
+@contextmanager
+def forbid_host_sync(enabled: bool):
+    """Make any torch-visible host synchronisation inside the launch path raise (CUDA only)."""
+    if not enabled:
+        yield
+        return
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+
+
+class ModelRunner:
+    def __init__(self, net: DeepseekV4ForCausalLM, caches: list[LayerCache], device: torch.device,
+                 *, forbid_sync: bool = False) -> None:
+        self.net, self.caches, self.device = net, caches, device
+        self.cuda = device.type == "cuda"
+        self.forbid_sync = forbid_sync and self.cuda
+        self.emulated = None if self.cuda else EmulatedDevice()
+
+    def close(self) -> None:
+        if self.emulated is not None:
+            self.emulated.close()
+            self.emulated = None
+
+    # --- host side: build inputs ------------------------------------------------------------
+    def _host_inputs(self, batch: ScheduledBatch) -> dict:
+        rows = batch.rows
+        ids, pos, cu, remap = [], [], [0], []
+        for r in rows:
+            ids += r.token_ids
+            pos += range(r.start, r.start + r.num_tokens)
+            cu.append(cu[-1] + r.num_tokens)
+            remap.append(r.prev_row)
+        tables = {}
+        for kind in KINDS:
+            width = max([len(r.req.blocks.get(kind, ())) for r in rows] + [1])
+            tables[kind] = [list(r.req.blocks.get(kind, ())) + [-1] * (width - len(r.req.blocks.get(kind, ())))
+                            for r in rows]
+        sample_rows = batch.sample_rows
+        logits_rows = []
+        for i, r in enumerate(rows):
+            if r.all_logits:
+                logits_rows += range(cu[i], cu[i + 1])
+            elif r.sample:
+                logits_rows.append(cu[i + 1] - 1)
+        reqs = [rows[i].req for i in sample_rows]
+        return dict(ids=ids, pos=pos, cu=cu, remap=remap, tables=tables,
+                    ctx=[r.start for r in rows], slots=[r.req.slot for r in rows],
+                    logits_rows=logits_rows,
+                    sampling=([q.params for q in reqs], [q.seed for q in reqs],
+                              [rows[i].start + rows[i].num_tokens for i in sample_rows]))
+
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self.cuda:
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    # --- device side ------------------------------------------------------------------------
+    def launch(self, batch: ScheduledBatch, prev: RoundHandle | None) -> RoundHandle:
+        """Enqueue the round; returns at once (no host synchronisation)."""
+        handle = RoundHandle(batch, self.cuda)
+        host = self._host_inputs(batch)
+        if self.cuda:
+            with forbid_host_sync(self.forbid_sync):
+                self._run(handle, host, prev)
+            handle.event.record()
+        else:
+            def work() -> None:
+                try:
+                    self._run(handle, host, prev)
+                except BaseException as e:  # surfaced by RoundHandle.wait on the host
+                    handle.error = e
+                finally:
+                    handle.event.set()
+
+            self.emulated.submit(work)
+        return handle
+
+    def _run(self, handle: RoundHandle, host: dict, prev: RoundHandle | None) -> None:
+        i32, i64 = torch.int32, torch.int64
+        input_ids = self._tensor(host["ids"], i32)
+        positions = self._tensor(host["pos"], i32)
+        if prev is not None and any(p >= 0 for p in host["remap"]):
+            # The zero-overhead fix-up: take each continuing row's input token from the previous
+            # round's samples, on the device. (No speculative tokens yet: one token per row,
+            # every in-flight token accepted, so lengths and positions stay as scheduled.)
+            R, S = len(host["remap"]), prev.tokens.shape[0]
+            ones_prev = torch.ones(S, dtype=i32, device=self.device)
+            cu = self._tensor(host["cu"], i32)
+            fixed = ops.correct_lengths(
+                self._tensor(host["remap"], i32), ones_prev, prev.tokens.to(i32).view(S, 1),
+                ones_prev, torch.ones(R, dtype=i32, device=self.device), cu,
+                cu[1:] - cu[:-1] + self._tensor(host["ctx"], i32), positions, input_ids)
+            input_ids, positions = fixed.input_ids, fixed.positions
+        fb = ForwardBatch(
+            input_ids=input_ids.to(i64), positions=positions.to(i64), cu_seqlens=host["cu"],
+            context_lens=host["ctx"],
+            window_tables=self._tensor(host["tables"]["window"], i32),
+            csa_tables=self._tensor(host["tables"]["csa"], i32),
+            hca_tables=self._tensor(host["tables"]["hca"], i32), state_slots=host["slots"])
+        rows = host["logits_rows"]
+        logits = self.net(fb, self.caches, logits_rows=self._tensor(rows, i64)) if rows else None
+        batch = handle.batch
+        n_sample = len(batch.sample_rows)
+        offset = 0
+        for i, r in enumerate(batch.rows):  # prompt-scoring rows come first in logits order
+            if r.all_logits:
+                handle.prompt_logits[i] = self._to_host(logits[offset: offset + r.num_tokens])
+                offset += r.num_tokens
+            elif r.sample:
+                offset += 1
+        if n_sample:
+            sample_idx = [k for k, i in enumerate(self._logits_order(batch)) if batch.rows[i].sample]
+            params, seeds, spos = host["sampling"]
+            sb = SamplingBatch.build(params, seeds, spos, self.device)
+            res = sample(logits[self._tensor(sample_idx, i64)] if len(sample_idx) != logits.shape[0]
+                         else logits, sb)
+            handle.tokens = res.tokens
+            handle.host["tokens"] = self._to_host(res.tokens)
+            handle.host["logprob"] = self._to_host(res.logprob)
+            if getattr(res, "top_ids", None) is not None:
+                handle.host["top_ids"] = self._to_host(res.top_ids)
+                handle.host["top_logprobs"] = self._to_host(res.top_logprobs)
+
+    @staticmethod
+    def _logits_order(batch: ScheduledBatch) -> list[int]:
+        """Row index of each logits row (a prompt-scoring row contributes one per token)."""
+        order = []
+        for i, r in enumerate(batch.rows):
+            if r.all_logits:
+                order += [i] * r.num_tokens
+            elif r.sample:
+                order.append(i)
+        return order
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out

@@ -1,0 +1,258 @@
+"""Continuous batching over the paged caches, scheduling one round ahead.
+
+schedule() builds the next round while the previous one may still be running on the device:
+every capacity check counts the tokens already dispatched (Request.num_computed is advanced
+when a row is scheduled, and Request.inflight counts sampled-but-uncommitted tokens), and a
+decode row whose input token is still on the device carries `prev_row` — the sampling row of the
+previous round that will produce it — so the runner's length-correction kernel can place it.
+
+Policy: running decodes first (one token each), then unfinished prefills, then admissions in
+arrival order, all under max_num_batched_tokens / max_num_seqs; prompts are chunked to the
+remaining budget. When a row cannot get blocks the newest running request is preempted
+(recompute: its cache is dropped and its known tokens are prefilled again later).
+
+Releases are deferred: blocks of a finished, aborted or preempted request return to the free
+lists only once the last round that may touch them is known to be complete on the device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from zeroinfer.engine.block_manager import BlockManager
+from zeroinfer.engine.request import Request, Status
+
+
+@dataclass
+class Row:
+    req: Request
+    start: int  # position of the row's first token (= tokens already in cache)
+    token_ids: list[int]  # host-known ids; 0 where the id is still on the device
+    prev_row: int = -1  # sampling row of the previous round that produces token_ids[0]
+    sample: bool = False  # the row ends at the sequence's end: sample the next token
+    all_logits: bool = False  # return logits of every token (prompt scoring)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    round_id: int
+    rows: list[Row]
+
+    @property
+    def sample_rows(self) -> list[int]:
+        return [i for i, r in enumerate(self.rows) if r.sample]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+@dataclass
+class RoundResult:
+    """Host copies of what a round produced, in sampling-row order."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
+    prompt_logits: dict[int, object] = field(default_factory=dict)  # row index -> [n, V] tensor
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.round_id = 0
+        self.pending_release: list[tuple[int, dict[str, list[int]], int | None]] = []
+        self.round_done: Callable[[int, bool], bool] = lambda rid, wait: True
+        self.num_preemptions = 0
+
+    # --- requests ---------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Request) -> None:
+        if req.finished:
+            return
+        self._finish(req, "abort")
+
+    # --- scheduling -------------------------------------------------------------------------
+    def schedule(self, prev: ScheduledBatch | None) -> ScheduledBatch:
+        """The next round. `prev` is the launched, uncommitted round (async) or None."""
+        self._reclaim(wait=False)
+        rid = self.round_id = self.round_id + 1
+        rows: list[Row] = []
+        budget = self.max_num_batched_tokens
+        prev_row_of = {}
+        if prev is not None:
+            for k, i in enumerate(prev.sample_rows):
+                prev_row_of[id(prev.rows[i].req)] = k
+        scheduled: set[int] = set()
+
+        def grow_or_preempt(req: Request, tokens: int) -> bool:
+            while not self.blocks.can_grow(req.blocks, tokens):
+                if self._reclaim(wait=True):
+                    continue
+                victim = next((r for r in reversed(self.running)
+                               if id(r) not in scheduled and r is not req), None)
+                if victim is None:
+                    return False
+                self._preempt(victim)
+            self.blocks.grow(req.blocks, tokens)
+            return True
+
+        # 1. decodes and unfinished prefills of running requests, oldest first
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or len(rows) >= self.max_num_seqs or budget <= 0:
+                continue
+            pos = req.num_computed
+            if pos < req.num_known:  # prefill (first chunk already admitted, or recompute)
+                n = min(req.num_known - pos, budget)
+                ids = [req.token_at(i) for i in range(pos, pos + n)]
+                prev_row = -1
+            elif pos == req.num_total - 1 and req.inflight == 1:  # input token on the device
+                if self._will_finish(req):
+                    continue
+                n, ids = 1, [0]
+                prev_row = prev_row_of.get(id(req), -1)
+                if prev_row < 0:
+                    raise RuntimeError(f"request {req.request_id}: in-flight token has no source row")
+            elif pos == req.num_total - 1:  # input token committed
+                if self._will_finish(req):
+                    continue
+                n, ids, prev_row = 1, [req.token_at(pos)], -1
+            else:  # waiting for the in-flight round to commit (nothing to feed yet)
+                continue
+            if not grow_or_preempt(req, pos + n):
+                self._preempt(req)
+                continue
+            if req.status is not Status.RUNNING:
+                continue
+            scheduled.add(id(req))
+            self._add_row(rows, req, pos, ids, prev_row)
+            budget -= n
+
+        # 2. admissions in arrival order
+        while self.waiting and budget > 0 and len(rows) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.finished:
+                self.waiting.popleft()
+                continue
+            if req.inflight:  # preempted while a token was in flight: wait for its commit
+                break
+            pos, n = 0, min(req.num_known, budget)
+            if not self.blocks.can_grow(req.blocks, n, need_slot=True):
+                if self._reclaim(wait=True):
+                    continue
+                break
+            self.waiting.popleft()
+            self.blocks.grow(req.blocks, n)
+            req.slot = self.blocks.take_slot()
+            req.status = Status.RUNNING
+            req.num_computed = 0
+            self.running.append(req)
+            scheduled.add(id(req))
+            self._add_row(rows, req, pos, [req.token_at(i) for i in range(n)], -1)
+            budget -= n
+        return ScheduledBatch(rid, rows)
+
+    def _add_row(self, rows: list[Row], req: Request, pos: int, ids: list[int], prev_row: int) -> None:
+        end = pos + len(ids)
+        sample = end == req.num_total and not req.want_prompt_logits
+        rows.append(Row(req, pos, ids, prev_row, sample, req.want_prompt_logits))
+        req.num_computed = end
+        if sample:
+            req.inflight += 1
+
+    def _will_finish(self, req: Request) -> bool:
+        """The tokens already sampled end the request: don't feed another."""
+        return (len(req.output_ids) + req.inflight >= req.params.max_tokens
+                or req.num_total >= self.max_model_len)
+
+    # --- committing -------------------------------------------------------------------------
+    def commit(self, batch: ScheduledBatch, result: RoundResult,
+               on_token: Callable[[Request, int], str | None]) -> list[Request]:
+        """Apply a completed round. on_token(req, token) returns a finish reason or None.
+        Returns the requests that finished."""
+        finished = []
+        for k, i in enumerate(batch.sample_rows):
+            req = batch.rows[i].req
+            req.inflight -= 1
+            if req.finished:
+                continue  # aborted or finished meanwhile: the token is dropped
+            tok = result.tokens[k]
+            req.output_ids.append(tok)
+            if result.logprobs is not None and req.params.logprobs is not None:
+                top = result.top[k][: req.params.logprobs] if result.top else []
+                req.output_logprobs.append((result.logprobs[k], top))
+            reason = on_token(req, tok)
+            if reason is None and (len(req.output_ids) >= req.params.max_tokens
+                                   or req.num_known >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                self._finish(req, reason)
+                finished.append(req)
+        for i, logits in result.prompt_logits.items():
+            req = batch.rows[i].req
+            if req.finished:
+                continue
+            req.prompt_logits.append(logits)
+            if sum(t.shape[0] for t in req.prompt_logits) >= len(req.prompt_ids):
+                self._finish(req, "length")
+                finished.append(req)
+        return finished
+
+    # --- releases ---------------------------------------------------------------------------
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self._defer_release(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._defer_release(req)
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _defer_release(self, req: Request) -> None:
+        if req.blocks or req.slot is not None:
+            # The newest launched round may still use them (it was scheduled before we knew).
+            self.pending_release.append((self.round_id, dict(req.blocks), req.slot))
+        req.blocks = {}
+        req.slot = None
+
+    def _reclaim(self, wait: bool) -> bool:
+        """Release deferred blocks whose last round is complete; with wait=True block on the
+        oldest pending round if nothing is free yet. True if anything was released."""
+        freed = False
+        keep = []
+        for rid, blocks, slot in self.pending_release:
+            if self.round_done(rid, False):
+                self.blocks.release(blocks, slot)
+                freed = True
+            else:
+                keep.append((rid, blocks, slot))
+        self.pending_release = keep
+        if not freed and wait and keep:
+            rid = keep[0][0]
+            self.round_done(rid, True)
+            return self._reclaim(wait=False)
+        return freed

@@ -1,0 +1,172 @@
+"""LLM: the offline front end. Tokenize -> engine.add_request -> step until done -> detokenize."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zeroinfer.engine.engine import EngineConfig, LLMEngine
+from zeroinfer.engine.request import Request
+from zeroinfer.model import load
+from zeroinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list | None = None  # per token: (logprob, [(top_id, top_logprob), ...])
+    message: object | None = None  # chat(): the parsed reply (reasoning_content, content, ...)
+    num_preemptions: int = 0
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) != "auto":
+        return torch.device(device)
+    from zeroinfer import _C
+
+    usable = bool(_C.WITH_CUDA) and _C.cuda_device_count() > 0 and torch.cuda.is_available()
+    return torch.device("cuda" if usable else "cpu")
+
+
+class LLM:
+    """Offline inference on one device.
+
+    model: a checkpoint directory or "dummy[:name]" (a tiny random V4 model made on the fly).
+    dtype: "auto" (bf16 on CUDA, float32 on CPU), torch.float32 or torch.bfloat16.
+    kv_cache_bytes: the KV-cache memory budget (default: room for max_num_seqs sequences of
+    max_model_len tokens). async_scheduling: the zero-overhead one-round-ahead pipeline.
+    """
+
+    def __init__(self, model: str = "dummy", *, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "auto", max_num_seqs: int = 64,
+                 max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
+                 kv_cache_bytes: int | None = None, seed: int = 0, async_scheduling: bool = True,
+                 forbid_host_sync: bool = False, tokenizer: object | None = "auto") -> None:
+        dev = _resolve_device(device)
+        if dtype == "auto":
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        elif isinstance(dtype, str):
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, dtype)
+        self.model = load(model, dtype=dtype, device=dev)
+        if tokenizer == "auto":
+            from zeroinfer.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer()
+        self.tokenizer = tokenizer
+        cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           kv_cache_bytes=kv_cache_bytes, async_scheduling=async_scheduling,
+                           forbid_host_sync=forbid_host_sync)
+        self.engine = LLMEngine(self.model, cfg, seed=seed, tokenizer=tokenizer)
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _encode(self, prompt, i: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {i} is text but the LLM has no tokenizer")
+            return prompt, self.tokenizer.encode(prompt, add_bos=True)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in prompt):
+            if not prompt:
+                raise ValueError(f"prompt {i} is an empty token list")
+            return None, list(prompt)
+        raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _output(self, prompt: str | None, req: Request) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None:
+            text = req.detok.text if req.detok is not None else self.tokenizer.decode(
+                req.output_ids, skip_special_tokens=True)
+        return RequestOutput(req.request_id, prompt, req.prompt_ids, list(req.output_ids), text,
+                             req.finish_reason or "abort",
+                             req.output_logprobs if req.params.logprobs is not None else None,
+                             num_preemptions=req.num_preemptions)
+
+    def _run(self, encoded, params_list, use_tqdm: bool) -> list[RequestOutput]:
+        for i, (_, ids) in enumerate(encoded):  # validate everything before queueing anything
+            V = self.model.config.vocab_size
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"prompt {i}: token ids {bad[:3]} outside the vocabulary [0, {V})")
+            if len(ids) > self.engine.cfg.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens, more than max_model_len="
+                                 f"{self.engine.cfg.max_model_len}")
+        reqs = [self.engine.add_request(ids, p) for (_, ids), p in zip(encoded, params_list)]
+        bar = None
+        if use_tqdm:
+            try:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(reqs), desc="generate", unit="req")
+            except ImportError:
+                bar = None
+        while self.engine.has_work():
+            done = self.engine.step()
+            if bar is not None and done:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return [self._output(p, r) for (p, _), r in zip(encoded, reqs)]
+
+    def _params(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams")
+        return params
+
+    # --- public -----------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list (strings or token-id lists); outputs in input order."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts))
+        plist = [prompts] if single else list(prompts)
+        if not plist:
+            raise ValueError("prompts is empty")
+        encoded = [self._encode(p, i) for i, p in enumerate(plist)]
+        return self._run(encoded, self._params(sampling_params, len(plist)), use_tqdm)
+
+    def chat(self, conversations, sampling_params=None, *, thinking: bool | None = None,
+             use_tqdm: bool = True, **request_fields) -> list[RequestOutput]:
+        """OpenAI-style conversations (one list of messages, or a list of them) -> replies,
+        encoded and parsed with deepseek-recipe and the real V4 tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        convs = conversations
+        if isinstance(convs, Sequence) and convs and isinstance(convs[0], dict):
+            convs = [convs]
+        encoded = []
+        for i, conv in enumerate(convs):
+            try:
+                ids = self.tokenizer.encode_chat(conv, thinking=thinking, **request_fields)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"conversation {i}: {e}") from e
+            encoded.append((None, ids))
+        outs = self._run(encoded, self._params(sampling_params, len(encoded)), use_tqdm)
+        for o in outs:
+            o.message = self.tokenizer.parse_chat_output(o.token_ids, thinking=thinking)
+        return outs
+
+    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced logits [T, vocab] (float32, CPU) through the engine's own path."""
+        ids = list(token_ids)
+        req = self.engine.add_request(ids, SamplingParams(max_tokens=1), prompt_logits=True)
+        while not req.finished:
+            self.engine.step()
+        self.engine.drain()
+        return torch.cat([t.float() for t in req.prompt_logits]).cpu()
