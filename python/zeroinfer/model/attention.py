@@ -7,12 +7,12 @@ zeroinfer.ops.sparse_mla_attention; everything else here is plain torch.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zeroinfer import ops
 from zeroinfer.model.cache import CompressorState, ForwardBatch, LayerCache, slots_of
 from zeroinfer.model.config import CSA, HCA, SLIDING, ModelConfig
+from zeroinfer.model.linear import Linear, pad_rows
 from zeroinfer.model.norm import rms_norm, rms_norm_unweighted
 from zeroinfer.model.rope import RopeTables, apply_rope
 
@@ -25,8 +25,8 @@ class NormWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32))
 
 
-def linear(in_f: int, out_f: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+def dense(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
+    return Linear(in_f, out_f, dtype)
 
 
 class Compressor(nn.Module):
@@ -43,8 +43,8 @@ class Compressor(nn.Module):
         super().__init__()
         series = 2 if overlap else 1
         self.width, self.rate, self.overlap, self.eps = width, rate, overlap, eps
-        self.kv_proj = linear(hidden, series * width, dtype)
-        self.gate_proj = linear(hidden, series * width, dtype)
+        self.kv_proj = dense(hidden, series * width, dtype)
+        self.gate_proj = dense(hidden, series * width, dtype)
         self.position_bias = nn.Parameter(torch.empty(rate, series * width, dtype=torch.float32))
         self.kv_norm = NormWeight(width)
 
@@ -87,7 +87,7 @@ class Compressor(nn.Module):
 class IndexerScorer(nn.Module):
     def __init__(self, hidden: int, heads: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weights_proj = linear(hidden, heads, dtype)
+        self.weights_proj = dense(hidden, heads, dtype)
 
 
 class Indexer(Compressor):
@@ -98,7 +98,7 @@ class Indexer(Compressor):
         super().__init__(config.hidden_size, config.index_head_dim, config.csa_rate, True,
                          config.rms_norm_eps, dtype)
         self.heads, self.topk = config.index_n_heads, config.index_topk
-        self.q_b_proj = linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, dtype)
+        self.q_b_proj = dense(config.q_lora_rank, config.index_n_heads * config.index_head_dim, dtype)
         self.scorer = IndexerScorer(config.hidden_size, config.index_n_heads, dtype)
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
@@ -108,7 +108,8 @@ class Indexer(Compressor):
         a query has fewer visible entries."""
         S, n = x.shape[0], keys.shape[0]
         q = apply_rope(self.q_b_proj(q_res).view(S, self.heads, self.width), cos, sin)
-        scores = torch.relu(torch.einsum("shd,nd->shn", q.float(), keys.float()))
+        qf, _ = pad_rows(q.float().reshape(S * self.heads, self.width))
+        scores = torch.relu((qf @ keys.float().t())[: S * self.heads].view(S, self.heads, n))
         scores = scores * self.width**-0.5
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, n]
@@ -136,14 +137,14 @@ class Attention(nn.Module):
         self.config, self.kind = c, c.layer_types[layer]
         self.table = "main" if self.kind == SLIDING else "compress"
         H, d = c.num_attention_heads, c.head_dim
-        self.q_a_proj = linear(c.hidden_size, c.q_lora_rank, dtype)
+        self.q_a_proj = dense(c.hidden_size, c.q_lora_rank, dtype)
         self.q_a_norm = NormWeight(c.q_lora_rank)
-        self.q_b_proj = linear(c.q_lora_rank, H * d, dtype)
-        self.kv_proj = linear(c.hidden_size, d, dtype)
+        self.q_b_proj = dense(c.q_lora_rank, H * d, dtype)
+        self.kv_proj = dense(c.hidden_size, d, dtype)
         self.kv_norm = NormWeight(d)
         # Grouped output projection: group g (heads g*H/G .. ) -> o_lora_rank, then mix.
-        self.o_a_proj = linear(H * d // c.o_groups, c.o_groups * c.o_lora_rank, dtype)
-        self.o_b_proj = linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype)
+        self.o_a_proj = dense(H * d // c.o_groups, c.o_groups * c.o_lora_rank, dtype)
+        self.o_b_proj = dense(c.o_groups * c.o_lora_rank, c.hidden_size, dtype)
         self.sinks = nn.Parameter(torch.empty(H, dtype=torch.float32))
         self.compressor: Compressor | None = None
         if self.kind == CSA:
@@ -181,9 +182,10 @@ class Attention(nn.Module):
             extra_kv_cache=extra_cache, extra_indices=extra_idx)
         out = apply_rope(out, cos, -sin)  # undo RoPE carried by V = K, at the query position
         G = c.o_groups
-        grouped = out.reshape(T, G, H * d // G).transpose(0, 1)  # [G, T, H*d/G]
+        grouped, _ = pad_rows(out.reshape(T, G, H * d // G))
         w_a = self.o_a_proj.weight.view(G, c.o_lora_rank, H * d // G)
-        y = torch.bmm(grouped, w_a.transpose(1, 2)).transpose(0, 1).reshape(T, G * c.o_lora_rank)
+        y = torch.bmm(grouped.transpose(0, 1), w_a.transpose(1, 2))  # [G, T', d_g]
+        y = y.transpose(0, 1)[:T].reshape(T, G * c.o_lora_rank)
         return self.o_b_proj(y)
 
     def _compressed_indices(self, x, q_res, batch: ForwardBatch, seq, cache: LayerCache,

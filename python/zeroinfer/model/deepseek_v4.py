@@ -11,6 +11,7 @@ from torch import nn
 from zeroinfer.model.attention import Attention, NormWeight
 from zeroinfer.model.cache import ForwardBatch, LayerCache
 from zeroinfer.model.config import ModelConfig
+from zeroinfer.model.linear import Linear
 from zeroinfer.model.mhc import HyperConnection, HyperHead
 from zeroinfer.model.moe import MoE
 from zeroinfer.model.norm import rms_norm
@@ -55,7 +56,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.model = DeepseekV4Model(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
         self._rope: RopeTables | None = None
 
     def rope(self, device: torch.device) -> RopeTables:

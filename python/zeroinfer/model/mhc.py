@@ -7,7 +7,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zeroinfer.model.linear import linear, pad_rows
 from zeroinfer.model.norm import rms_norm_unweighted
+
+
+def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_n pre[:, n] * streams[:, n] in float32, in a fixed order. (torch's sum over a middle
+    dim picks its accumulation order from the shape, so a token's result would depend on the
+    batch size.)"""
+    out = pre[:, 0, None] * streams[:, 0].float()
+    for n in range(1, streams.shape[1]):
+        out = out + pre[:, n, None] * streams[:, n].float()
+    return out.to(streams.dtype)
 
 
 class HyperConnection(nn.Module):
@@ -22,8 +33,12 @@ class HyperConnection(nn.Module):
     def weights(self, streams: torch.Tensor):
         """streams [T, N, D] -> (post [T, N] f32, comb [T, N, N] f32, collapsed [T, D])."""
         n = self.n
+        # Padded rows: torch's vectorised sigmoid/exp round differently from their scalar tail
+        # loops, so a tensor whose size is not a multiple of the vector width would give the
+        # last tokens of a batch different bits than the same tokens elsewhere.
+        streams, T = pad_rows(streams)
         flat = rms_norm_unweighted(streams.flatten(1).float(), self.norm_eps)
-        z = flat @ self.fn.float().t()
+        z = linear(flat, self.fn.float())
         z_pre, z_post, z_comb = z.split([n, n, n * n], dim=-1)
         b_pre, b_post, b_comb = self.base.split([n, n, n * n])
         pre = torch.sigmoid(z_pre * self.scale[0] + b_pre) + self.eps
@@ -33,15 +48,19 @@ class HyperConnection(nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return post[:T], comb[:T], collapse(pre, streams)[:T]
 
     @staticmethod
     def mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
         """New stream k = post[k] * out + sum_j comb[j, k] * streams[j] (C transposed)."""
         dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams)
+        comb = comb.to(dtype)
+        mixed = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
+        # An explicit sum over the N (=4) input streams, in a fixed order: elementwise ops keep
+        # every token's result independent of the batch (a batched matmul may not).
+        for j in range(streams.shape[1]):
+            mixed = mixed + comb[:, j, :, None] * streams[:, j, None, :]
+        return mixed
 
 
 class HyperHead(nn.Module):
@@ -55,7 +74,8 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        streams, T = pad_rows(streams)  # see HyperConnection.weights
         flat = rms_norm_unweighted(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid((flat @ self.hc_fn.float().t()) * self.hc_scale.float()
+        pre = torch.sigmoid(linear(flat, self.hc_fn.float()) * self.hc_scale.float()
                             + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return collapse(pre, streams)[:T]

@@ -10,6 +10,7 @@ from torch import nn
 
 from zeroinfer import ops
 from zeroinfer.model.config import HASH_MOE, ModelConfig
+from zeroinfer.model.linear import Linear, linear, pad_rows
 
 
 class Router(nn.Module):
@@ -25,7 +26,8 @@ class Router(nn.Module):
 
     def forward(self, y: torch.Tensor, input_ids: torch.Tensor):
         """Returns (expert ids [T, k] int32, weights [T, k] float32)."""
-        scores = F.softplus(F.linear(y, self.weight)).sqrt()  # "sqrtsoftplus", activation dtype
+        yp, T = pad_rows(y)  # full vectors for softplus: see HyperConnection.weights
+        scores = F.softplus(linear(yp, self.weight)).sqrt()[:T]  # "sqrtsoftplus"
         if self.hashed:
             ids = self.tid2eid[input_ids]
         else:  # the bias only chooses; the weights come from the unbiased scores
@@ -53,9 +55,9 @@ class SharedExpert(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         D, I = config.hidden_size, config.moe_intermediate_size
-        self.gate_proj = nn.Linear(D, I, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(D, I, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(I, D, bias=False, dtype=dtype)
+        self.gate_proj = Linear(D, I, dtype)
+        self.up_proj = Linear(D, I, dtype)
+        self.down_proj = Linear(I, D, dtype)
 
 
 class MoE(nn.Module):

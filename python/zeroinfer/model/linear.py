@@ -1,0 +1,42 @@
+"""Batch-invariant dense layers and row padding.
+
+BLAS libraries pick different kernels for different row counts (on this CPU torch's GEMM gives
+bitwise different rows for M in {1, 2, 3, 5, 7} than for larger M), so a token's result would
+depend on how many other tokens share its batch or chunk. Padding the rows to a multiple of
+ROW_TILE keeps every call on the same kernel family, which makes each row's result independent
+of the batch: the property the engine's async == sync guarantee and deterministic serving rest
+on (tests/model/test_batch_invariance.py checks it bitwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROW_TILE = 16
+
+
+def pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    n = x.shape[0]
+    pad = (-n) % ROW_TILE
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    return x, n
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T with the leading dims flattened and padded to ROW_TILE rows."""
+    lead = x.shape[:-1]
+    flat, n = pad_rows(x.reshape(-1, x.shape[-1]))
+    return F.linear(flat, weight)[:n].reshape(*lead, weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias whose forward is batch-invariant (same state-dict names)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
