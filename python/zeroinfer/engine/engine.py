@@ -186,3 +186,11 @@ class LLMEngine:
     def drain(self) -> None:
         while self.has_work():
             self.step()
+
+    def finish(self) -> None:
+        """Run everything queued, wait for the device, and release every deferred block."""
+        self.drain()
+        for h in list(self.live.values()):
+            h.wait()
+        self.live.clear()
+        self.scheduler.reclaim(wait=False)

@@ -92,7 +92,7 @@ class Scheduler:
     # --- scheduling -------------------------------------------------------------------------
     def schedule(self, prev: ScheduledBatch | None) -> ScheduledBatch:
         """The next round. `prev` is the launched, uncommitted round (async) or None."""
-        self._reclaim(wait=False)
+        self.reclaim(wait=False)
         rid = self.round_id = self.round_id + 1
         rows: list[Row] = []
         budget = self.max_num_batched_tokens
@@ -104,7 +104,7 @@ class Scheduler:
 
         def grow_or_preempt(req: Request, tokens: int) -> bool:
             while not self.blocks.can_grow(req.blocks, tokens):
-                if self._reclaim(wait=True):
+                if self.reclaim(wait=True):
                     continue
                 victim = next((r for r in reversed(self.running)
                                if id(r) not in scheduled and r is not req), None)
@@ -155,7 +155,7 @@ class Scheduler:
                 break
             pos, n = 0, min(req.num_known, budget)
             if not self.blocks.can_grow(req.blocks, n, need_slot=True):
-                if self._reclaim(wait=True):
+                if self.reclaim(wait=True):
                     continue
                 break
             self.waiting.popleft()
@@ -239,7 +239,7 @@ class Scheduler:
         req.blocks = {}
         req.slot = None
 
-    def _reclaim(self, wait: bool) -> bool:
+    def reclaim(self, wait: bool) -> bool:
         """Release deferred blocks whose last round is complete; with wait=True block on the
         oldest pending round if nothing is free yet. True if anything was released."""
         freed = False
@@ -254,5 +254,5 @@ class Scheduler:
         if not freed and wait and keep:
             rid = keep[0][0]
             self.round_done(rid, True)
-            return self._reclaim(wait=False)
+            return self.reclaim(wait=False)
         return freed

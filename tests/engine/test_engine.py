@@ -1,0 +1,135 @@
+"""The offline engine: the zero-overhead (async) pipeline against the synchronous loop, token
+for token, over randomised workloads; block accounting; batch independence; bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from zeroinfer.engine.engine import EngineConfig, LLMEngine, kv_bytes_per_token
+from zeroinfer.model import load
+from zeroinfer.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load("dummy:tiny-yarn", seed=5)
+
+
+def make_workload(rng: random.Random, n: int, vocab: int, *, sampled: bool):
+    work = []
+    for _ in range(n):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 40))]
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.7, 1.0]) if sampled else 0.0,
+            top_k=rng.choice([0, 5, 50]), top_p=rng.choice([1.0, 0.9]),
+            max_tokens=rng.randint(1, 14), ignore_eos=rng.random() < 0.5,
+            stop_token_ids=[rng.randrange(2, vocab) for _ in range(rng.randint(0, 40))],
+            seed=rng.choice([None, rng.randrange(2**31)]))
+        abort_after = rng.choice([None] * 6 + [0, 1, 3])
+        work.append((prompt, params, abort_after))
+    return work
+
+
+def run(model, work, *, async_scheduling: bool, kv_tokens: int, seed: int = 1, **kw):
+    cfg = EngineConfig(max_num_seqs=kw.get("max_num_seqs", 24), max_model_len=64,
+                       max_num_batched_tokens=kw.get("max_num_batched_tokens", 96),
+                       kv_cache_bytes=int(kv_tokens * sum(kv_bytes_per_token(model).values())),
+                       async_scheduling=async_scheduling)
+    eng = LLMEngine(model, cfg, seed=seed)
+    reqs = [eng.add_request(p, sp) for p, sp, _ in work]
+    aborts = {r.request_id: a for r, (_, _, a) in zip(reqs, work) if a is not None}
+    for r in reqs:
+        if aborts.get(r.request_id) == 0:  # aborted while still queued
+            eng.abort(r.request_id)
+    while eng.has_work():
+        eng.step()
+        for r in reqs:  # abort once the request has committed `a` tokens: the same point in
+            a = aborts.get(r.request_id)  # both modes, whatever is in flight
+            if a is not None and not r.finished and len(r.output_ids) >= a:
+                eng.abort(r.request_id)
+    eng.finish()
+    assert eng.blocks.all_free(), "KV blocks leaked"
+    out = [(r.output_ids, r.finish_reason) for r in reqs]
+    stats = dict(preemptions=eng.scheduler.num_preemptions, rounds=eng.rounds)
+    eng.close()
+    return out, stats
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
+@pytest.mark.parametrize("kv_tokens", [4096, 300], ids=["roomy", "forced-preemption"])
+def test_async_matches_sync(model, sampled, kv_tokens, seed):
+    rng = random.Random(seed)
+    work = make_workload(rng, 150, model.config.vocab_size, sampled=sampled)
+    sync_out, sync_stats = run(model, work, async_scheduling=False, kv_tokens=kv_tokens)
+    async_out, async_stats = run(model, work, async_scheduling=True, kv_tokens=kv_tokens)
+    for i, (a, b) in enumerate(zip(sync_out, async_out)):
+        assert a == b, f"request {i}: sync {a} != async {b} ({work[i][1]})"
+    if kv_tokens == 300:
+        assert sync_stats["preemptions"] > 0 and async_stats["preemptions"] > 0
+    reasons = {r for _, r in sync_out}
+    assert {"length", "abort"} <= reasons
+
+
+def test_every_request_finishes_exactly_once(model, seed):
+    rng = random.Random(seed)
+    work = make_workload(rng, 60, model.config.vocab_size, sampled=True)
+    out, _ = run(model, work, async_scheduling=True, kv_tokens=250, max_num_seqs=8,
+                 max_num_batched_tokens=32)
+    for (toks, reason), (_, params, abort_after) in zip(out, work):
+        assert reason in ("stop", "length", "abort")
+        assert len(toks) <= params.max_tokens
+        if reason == "length":
+            assert len(toks) == params.max_tokens
+        if reason == "stop":
+            assert toks[-1] in params.stop_token_ids or (not params.ignore_eos and toks[-1] in model.config.eos_token_id)
+
+
+def test_results_independent_of_batch_composition(model, seed):
+    rng = random.Random(seed)
+    work = make_workload(rng, 30, model.config.vocab_size, sampled=True)
+    work = [(p, sp, None) for p, sp, _ in work]
+    probe = ([5, 6, 7, 8, 9] * 3, SamplingParams(temperature=0.9, max_tokens=12, seed=1234,
+                                                ignore_eos=True), None)
+    alone, _ = run(model, [probe], async_scheduling=True, kv_tokens=2048)
+    crowd, _ = run(model, work[:17] + [probe] + work[17:], async_scheduling=True, kv_tokens=2048)
+    assert crowd[17] == alone[0]
+
+
+def test_prompt_logits_equal_teacher_forcing(model, gen):
+    from zeroinfer.engine.engine import EngineConfig
+
+    ids = torch.randint(2, model.config.vocab_size, (50,), generator=gen).tolist()
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16)
+    eng = LLMEngine(model, cfg)
+    req = eng.add_request(ids, SamplingParams(max_tokens=1), prompt_logits=True)
+    eng.drain()
+    got = torch.cat(req.prompt_logits)
+    eng.finish()
+    assert eng.blocks.all_free()
+    eng.close()
+    assert torch.equal(got, model.logits(ids))  # batch-invariant numerics: bitwise
+
+
+def test_bad_requests_rejected_while_others_finish(model):
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=32, max_num_batched_tokens=32)
+    eng = LLMEngine(model, cfg)
+    good = [eng.add_request([3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)) for _ in range(3)]
+    eng.step()
+    V = model.config.vocab_size
+    for prompt, params, match in [
+        ([], SamplingParams(), "non-empty"),
+        ([1, V], SamplingParams(), "outside the vocabulary"),
+        ([1, -1], SamplingParams(), "outside the vocabulary"),
+        ([2] * 33, SamplingParams(), "max_model_len"),
+        ([2, 3], "greedy", "SamplingParams"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            eng.add_request(prompt, params)
+    eng.drain()
+    eng.finish()
+    assert all(len(r.output_ids) == 6 and r.finish_reason == "length" for r in good)
+    assert eng.blocks.all_free()
+    eng.close()
