@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -60,16 +61,20 @@ def kv_bytes_per_token(model: Model) -> dict[str, float]:
 
 def cache_spec(model: Model, cfg: EngineConfig) -> CacheSpec:
     per_tok = kv_bytes_per_token(model)
-    if cfg.kv_cache_bytes is None:
-        tokens = cfg.max_num_seqs * cfg.max_model_len
-    else:
-        tokens = int(cfg.kv_cache_bytes // sum(per_tok.values()))
     c = model.config
     cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    if cfg.kv_cache_bytes is None:  # room for max_num_seqs sequences of max_model_len tokens
+        n, L = cfg.max_num_seqs, cfg.max_model_len
+        blocks = (n * cdiv(L, cfg.window_block_size), n * cdiv(L // c.csa_rate, cfg.csa_block_size),
+                  n * cdiv(L // c.hca_rate, cfg.hca_block_size))
+    else:
+        tokens = int(cfg.kv_cache_bytes // sum(per_tok.values()))
+        blocks = (cdiv(tokens, cfg.window_block_size),
+                  cdiv(tokens // c.csa_rate, cfg.csa_block_size),
+                  cdiv(tokens // c.hca_rate, cfg.hca_block_size))
     return CacheSpec(
-        num_window_blocks=max(1, cdiv(tokens, cfg.window_block_size)),
-        num_csa_blocks=max(1, cdiv(tokens // c.csa_rate, cfg.csa_block_size)),
-        num_hca_blocks=max(1, cdiv(tokens // c.hca_rate, cfg.hca_block_size)),
+        num_window_blocks=max(1, blocks[0]), num_csa_blocks=max(1, blocks[1]),
+        num_hca_blocks=max(1, blocks[2]),
         num_state_slots=cfg.max_num_seqs, window_block_size=cfg.window_block_size,
         csa_block_size=cfg.csa_block_size, hca_block_size=cfg.hca_block_size)
 
@@ -92,6 +97,8 @@ class LLMEngine:
         self.live: dict[int, RoundHandle] = {}
         self.eos = set(model.config.eos_token_id)
         self.rounds = 0
+        self.host_time = {"schedule": 0.0, "launch": 0.0, "commit": 0.0}
+        self.history: list[RoundHandle] | None = None  # kept when timing (bench)
 
     def close(self) -> None:
         self.runner.close()
@@ -167,13 +174,18 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Advance by one round; returns requests that finished during this call."""
+        t0 = time.perf_counter()
         prev = self.inflight
         batch = self.scheduler.schedule(prev[0] if (prev and self.cfg.async_scheduling) else None)
+        t1 = time.perf_counter()
         handle = None
         if batch.rows:
             handle = self.runner.launch(batch, prev[1] if prev else None)
             self.live[batch.round_id] = handle
             self.rounds += 1
+            if self.history is not None:
+                self.history.append(handle)
+        t2 = time.perf_counter()
         finished = []
         if prev is not None:  # commit round N while round N+1 runs
             finished += self._commit(*prev)
@@ -181,6 +193,10 @@ class LLMEngine:
         if not self.cfg.async_scheduling and self.inflight is not None:
             finished += self._commit(*self.inflight)
             self.inflight = None
+        t3 = time.perf_counter()
+        self.host_time["schedule"] += t1 - t0
+        self.host_time["launch"] += t2 - t1
+        self.host_time["commit"] += t3 - t2
         return finished
 
     def drain(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -59,6 +60,12 @@ class RoundHandle:
         self.tokens: torch.Tensor | None = None  # device [S] int64: next-round inputs come from here
         self.host: dict[str, torch.Tensor] = {}
         self.prompt_logits: dict[int, torch.Tensor] = {}
+        self.span: tuple | None = None  # device-side (start, end) marks when timing is on
+
+    def device_interval(self) -> tuple[float, float] | None:
+        """(start, end) of this round's device work in seconds on a common clock (CUDA: relative
+        to the first round's start event, filled by ModelRunner.timeline)."""
+        return self.span
 
     def done(self) -> bool:
         return self.event.query() if self.cuda else self.event.is_set()
@@ -104,6 +111,7 @@ class ModelRunner:
         self.cuda = device.type == "cuda"
         self.forbid_sync = forbid_sync and self.cuda
         self.emulated = None if self.cuda else EmulatedDevice()
+        self.timing = False  # record each round's device start/end (bench: idle gaps)
 
     def close(self) -> None:
         if self.emulated is not None:
@@ -150,16 +158,26 @@ class ModelRunner:
         handle = RoundHandle(batch, self.cuda)
         host = self._host_inputs(batch)
         if self.cuda:
+            start = torch.cuda.Event(enable_timing=True) if self.timing else None
+            if start is not None:
+                start.record()
             with forbid_host_sync(self.forbid_sync):
                 self._run(handle, host, prev)
             handle.event.record()
+            if start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                handle.span = (start, end)
         else:
             def work() -> None:
+                t0 = time.perf_counter()
                 try:
                     self._run(handle, host, prev)
                 except BaseException as e:  # surfaced by RoundHandle.wait on the host
                     handle.error = e
                 finally:
+                    if self.timing:
+                        handle.span = (t0, time.perf_counter())
                     handle.event.set()
 
             self.emulated.submit(work)
@@ -210,6 +228,19 @@ class ModelRunner:
             if getattr(res, "top_ids", None) is not None:
                 handle.host["top_ids"] = self._to_host(res.top_ids)
                 handle.host["top_logprobs"] = self._to_host(res.top_logprobs)
+
+    @staticmethod
+    def idle_gaps(handles: list[RoundHandle]) -> list[float]:
+        """Device idle time (s) between consecutive rounds: start(N+1) - end(N)."""
+        gaps = []
+        for a, b in zip(handles, handles[1:]):
+            if a.span is None or b.span is None:
+                continue
+            if isinstance(a.span[1], float):
+                gaps.append(max(0.0, b.span[0] - a.span[1]))
+            else:
+                gaps.append(max(0.0, a.span[1].elapsed_time(b.span[0]) / 1e3))
+        return gaps
 
     @staticmethod
     def _logits_order(batch: ScheduledBatch) -> list[int]:
