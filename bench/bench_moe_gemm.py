@@ -60,10 +60,13 @@ def routing_offsets(tokens, num_experts, skew, gen):
     return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
 
 
-def make_weights(num_experts, n, k, gen, device):
-    w = torch.randint(0, 256, (num_experts, n, k // 2), dtype=torch.uint8, generator=gen)
-    s = torch.randint(118, 124, (num_experts, n, k // 32), dtype=torch.uint8, generator=gen)
-    return w.to(device), s.to(device)
+def make_weights(num_experts, n, k, gen):
+    """Random checkpoint bytes (every nibble) and scale bytes, made on gen's device."""
+    dev = gen.device
+    w = torch.randint(0, 256, (num_experts, n, k // 2), dtype=torch.uint8, generator=gen, device=dev)
+    s = torch.randint(118, 124, (num_experts, n, k // 32), dtype=torch.uint8, generator=gen,
+                      device=dev)
+    return w, s
 
 
 def main() -> None:
@@ -85,12 +88,13 @@ def main() -> None:
         timer = lambda f: min(bench.time_cpu(f, warmup=1, reps=5) for _ in range(3))  # noqa: E731
         timer_torch = lambda f: min(bench.time_cpu(f, warmup=0, reps=1)  # noqa: E731
                                     for _ in range(3))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)                 # routing (on the host)
+    dgen = torch.Generator(device=dev).manual_seed(1)      # weights and activations
     gemms = {
         "gate_up": (2 * INTER, HIDDEN, True),
         "down": (HIDDEN, INTER, False),
     }
-    weights = {name: make_weights(num_experts, n, k, gen, dev) for name, (n, k, _) in gemms.items()}
+    weights = {name: make_weights(num_experts, n, k, dgen) for name, (n, k, _) in gemms.items()}
     rows = []
     for tokens in tokens_list:
         for skew in (False, True) if cuda else (False,):
@@ -100,7 +104,7 @@ def main() -> None:
             offsets_dev = offsets.to(dev)
             for name, (n, k, fuse) in gemms.items():
                 w, s = weights[name]
-                a = (torch.randn(m, k, generator=gen) * 0.5).to(device=dev, dtype=torch.bfloat16)
+                a = (torch.randn(m, k, generator=dgen, device=dev) * 0.5).to(torch.bfloat16)
                 lim = LIMIT if fuse else None
                 run = lambda: mxfp4_grouped_gemm(a, w, s, expert_offsets=offsets_dev,  # noqa: E731
                                                  fuse_swiglu=fuse, swiglu_limit=lim)
