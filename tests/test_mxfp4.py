@@ -136,6 +136,7 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         quantize_mxfp4([1.0] * 32)
     with pytest.raises(ValueError, match=r"\[..., N, K/2\] and \[..., N, K/32\]"):
-        dequantize_mxfp4(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8))
+        dequantize_mxfp4(torch.zeros(2, 16, dtype=torch.uint8),
+                         torch.zeros(2, 2, dtype=torch.uint8))
     with pytest.raises(TypeError, match="raw bytes"):
         dequantize_mxfp4(torch.zeros(2, 16), torch.zeros(2, 1, dtype=torch.uint8))

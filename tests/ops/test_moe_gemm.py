@@ -142,8 +142,11 @@ def run_case(gen, *, E, N, K, dtype, mode, masked, M=None, counts=None, pad_max=
              use_out=True):
     w, s = rand_weights(gen, E, N, K)
     if masked:
-        cap = int(torch.randint(1, 12, (1,), generator=gen)) if counts is None else max(counts + [1])
-        mm = counts if counts is not None else torch.randint(0, cap + 1, (E,), generator=gen).tolist()
+        if counts is None:
+            cap = int(torch.randint(1, 12, (1,), generator=gen))
+            mm = torch.randint(0, cap + 1, (E,), generator=gen).tolist()
+        else:
+            cap, mm = max(counts + [1]), counts
         layout = {"masked_m": torch.tensor(mm, dtype=torch.int32)}
         a, a_scale = rand_act(gen, (E, cap, K), dtype)
         rows_shape = (E, cap)
@@ -347,7 +350,8 @@ def test_permuting_experts_permutes_rows(seed, E, M, fuse, dtype):
                            swiglu_limit=5.0 if fuse else None)
     perm = torch.randperm(E, generator=gen)  # new expert i = old expert perm[i]
     seg = (offsets[1:] - offsets[:-1]).tolist()
-    rows = torch.cat([torch.arange(int(offsets[p]), int(offsets[p]) + seg[p]) for p in perm.tolist()]
+    rows = torch.cat([torch.arange(int(offsets[p]), int(offsets[p]) + seg[p])
+                      for p in perm.tolist()]
                      + [torch.zeros(0, dtype=torch.long)])
     new_off = torch.tensor([0] + torch.tensor([seg[p] for p in perm.tolist()]).cumsum(0).tolist(),
                            dtype=torch.int32)
@@ -361,7 +365,8 @@ def test_permuting_experts_permutes_rows(seed, E, M, fuse, dtype):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), E=st.integers(1, 6), cap=st.integers(1, 9),
-       mode=st.sampled_from(SWIGLU_MODES), dtype=st.sampled_from([torch.float32, torch.bfloat16, FP8]))
+       mode=st.sampled_from(SWIGLU_MODES),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, FP8]))
 def test_contiguous_and_masked_agree(seed, E, cap, mode, dtype):
     """The same rows laid out contiguously or per-expert give bitwise the same outputs."""
     gen = torch.Generator().manual_seed(seed)
@@ -568,6 +573,40 @@ def test_out_alias():
     a = torch.randn(5, 64, generator=g)
     off = torch.tensor([0, 5], dtype=torch.int32)
     _raises(ValueError, r"output out must not alias input a", a, w, s, expert_offsets=off, out=a)
+
+
+# --------------------------------------------------------- interim CUDA path (torch), on CPU
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("mode", SWIGLU_MODES)
+def test_interim_torch_path_on_cpu(gen, masked, dtype, mode):
+    """The interim CUDA path is plain torch: run it on CPU tensors against the reference, so it is
+    covered without a GPU (test_cuda_matches_reference runs it on the GPU)."""
+    from zeroinfer.ops.moe_gemm import _interim_cuda
+
+    E, N, K = 4, 64, 256
+    w, s = rand_weights(gen, E, N, K)
+    if masked:
+        cap = 7
+        layout = {"masked_m": torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)}
+        a, a_scale = rand_act(gen, (E, cap, K), dtype)
+        rows = (E, cap)
+    else:
+        counts = rand_counts(gen, E, 30, empty=1)
+        offsets, cnt, total = make_contiguous(gen, counts, pad_max=3)
+        layout = {"expert_offsets": offsets, "expert_counts": cnt}
+        a, a_scale = rand_act(gen, (total, K), dtype)
+        rows = (total,)
+    fuse = mode != "plain"
+    lim = None
+    if mode == "swiglu_limit":
+        a, a_scale, lim = clamp_inputs(gen, a, a_scale, w, s, **layout)
+    od = default_out_dtype(a)
+    out = poisoned((*rows, N // 2 if fuse else N), od)
+    _interim_cuda(a, w, s, layout.get("expert_offsets"), layout.get("expert_counts"),
+                  layout.get("masked_m"), a_scale, fuse, lim, out)
+    assert_matches_ref(out, a, w, s, out_dtype=od, fuse_swiglu=fuse, swiglu_limit=lim,
+                       initial=poisoned(out.shape, torch.float64), a_scale=a_scale, **layout)
 
 
 # ------------------------------------------------------------------------------------ GPU

@@ -1,10 +1,10 @@
 // MXFP4 grouped GEMM for the routed experts of DeepSeek-V4 (W4A16 / W4A8 / W4A32).
 //
-// Per expert e:  Y_e = A_e @ W_eᵀ,  W_e[n, k] = e2m1(nibble(e, n, k)) * 2^(w_scale[e, n, k/32] - 127),
+// Per expert e: Y_e = A_e @ W_eᵀ with W_e[n, k] = e2m1(nibble(e,n,k)) * 2^(w_scale[e,n,k/32]-127),
 // accumulated in float32, optionally followed by the V4 clipped SwiGLU over the concatenated
 // gate ‖ up halves of N. The rows of A that belong to expert e come in one of two layouts:
-//   contiguous: A [m, k], expert e owns rows [offsets[e], offsets[e] + count_e)   (moe_dispatch)
-//   masked:     A [E, cap, k], expert e owns rows [0, masked_m[e]) of A[e]        (per-expert capacity)
+//   contiguous: A [m, k], expert e owns rows [offsets[e], offsets[e] + count_e)  (moe_dispatch)
+//   masked:     A [E, cap, k], expert e owns rows [0, masked_m[e]) of A[e]  (per-expert capacity)
 // Output rows that belong to no expert are never written.
 #pragma once
 
@@ -24,13 +24,13 @@ struct Mxfp4GemmParams {
   // [m, k/128]; masked: [num_experts, cap, k/128]); a_real[r, k] = a[r, k] * a_scale[r, k/128].
   // nullptr for float activations.
   const float* a_scale = nullptr;
-  // Packed e2m1 weights [num_experts, n, k/2] bytes (checkpoint I8 viewed as raw bytes): byte j of a
-  // row holds element 2j in its LOW nibble and element 2j+1 in its HIGH nibble.
+  // Packed e2m1 weights [num_experts, n, k/2] bytes (checkpoint I8 viewed as raw bytes): byte j of
+  // a row holds element 2j in its LOW nibble and element 2j+1 in its HIGH nibble.
   const uint8_t* w = nullptr;
   // UE8M0 block scales [num_experts, n, k/32] bytes, one per 32 consecutive k: value 2^(byte-127).
   const uint8_t* w_scale = nullptr;
-  // Contiguous layout: int32 [num_experts + 1], nondecreasing, offsets[num_experts] <= m; expert e's
-  // segment is [offsets[e], offsets[e+1]). nullptr selects the masked layout.
+  // Contiguous layout: int32 [num_experts + 1], nondecreasing, offsets[num_experts] <= m; expert
+  // e's segment is [offsets[e], offsets[e+1]). nullptr selects the masked layout.
   const int32_t* expert_offsets = nullptr;
   // Contiguous layout, optional: int32 [num_experts], rows actually used at the start of each
   // segment (0 <= counts[e] <= segment size; segments may be padded to a tile). nullptr: whole
@@ -47,7 +47,7 @@ struct Mxfp4GemmParams {
   int64_t num_experts = 0;  // E >= 1: leading dim of w, w_scale, masked_m/counts, offsets (E+1)
   int64_t m = 0;            // contiguous layout: rows of a and out; ignored in the masked layout
   int64_t cap = 0;          // masked layout: rows per expert in a and out; ignored if contiguous
-  int64_t n = 0;            // weight rows per expert (even with fuse_swiglu: gate rows then up rows)
+  int64_t n = 0;            // weight rows per expert (even with fuse_swiglu: gate, then up rows)
   int64_t k = 0;            // reduction length: a multiple of 32 (of 128 for float8 activations)
   // V4 gate/up GEMM (w1 ‖ w3 along n): out[r, c] = silu(min(g, λ)) * clamp(u, -λ, λ) for c < n/2,
   // g = Y[r, c], u = Y[r, c + n/2]; without a limit silu(g) * u.

@@ -237,7 +237,8 @@ def _dequant_torch(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
         _PAIR_LUT[w.device] = lut
     wb = w.view(torch.uint8) if w.dtype != torch.uint8 else w
     sb = w_scale.view(torch.uint8) if w_scale.dtype != torch.uint8 else w_scale
-    vals = lut[wb.to(torch.int64)].reshape(*wb.shape[:-1], wb.shape[-1] // 16, 32)
+    vals = lut.index_select(0, wb.reshape(-1).to(torch.int32))  # [numel, 2]: elements 2j, 2j+1
+    vals = vals.reshape(*wb.shape[:-1], wb.shape[-1] // 16, 32)
     s = sb.to(torch.int32)
     scale = torch.where(s == 0, torch.full_like(s, 0x00400000), s << 23).view(torch.float32)
     scale = torch.where(s == 255, torch.full_like(scale, float("nan")), scale)
@@ -278,7 +279,10 @@ def _interim_cuda(a, w, w_scale, offsets, counts, masked_m, a_scale, fuse, limit
             out[e0:e1] = torch.where(keep, y.to(out.dtype), out[e0:e1])
         return
     off = offsets.tolist()  # host sync (interim path only)
-    cnt = counts.tolist() if counts is not None else [off[e + 1] - off[e] for e in range(len(off) - 1)]
+    if counts is not None:
+        cnt = counts.tolist()
+    else:
+        cnt = [off[e + 1] - off[e] for e in range(len(off) - 1)]
     for e, c in enumerate(cnt):
         if c == 0:
             continue

@@ -101,7 +101,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=p.device)
     # 256-entry table byte -> (value of low nibble, value of high nibble): one gather per byte.
     pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)  # [256, 2]
-    vals = pairs[p.to(torch.int64)]  # [..., K/2, 2] = elements 2j, 2j+1
+    vals = pairs.index_select(0, p.reshape(-1).to(torch.int32))  # [numel, 2] = elements 2j, 2j+1
     vals = vals.reshape(*p.shape[:-1], kh // 16, 32)
     out = vals * ue8m0_to_float32(s).unsqueeze(-1)
     return out.reshape(*p.shape[:-1], kh * 2)

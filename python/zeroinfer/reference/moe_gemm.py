@@ -21,7 +21,8 @@ def dequantize_expert_f64(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tenso
     ``[..., N, K]``."""
     wb = _bytes(w).to(torch.int64)
     lo, hi = wb & 0xF, wb >> 4
-    nib = torch.stack([lo, hi], dim=-1).reshape(*wb.shape[:-1], wb.shape[-1] * 2)  # 2j low, 2j+1 high
+    # element 2j = low nibble of byte j, element 2j+1 = high nibble
+    nib = torch.stack([lo, hi], dim=-1).reshape(*wb.shape[:-1], wb.shape[-1] * 2)
     lut = torch.tensor(_E2M1, dtype=torch.float64, device=w.device)
     vals = lut[nib]
     sb = _bytes(w_scale).to(torch.float64)
