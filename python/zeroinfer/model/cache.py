@@ -102,9 +102,15 @@ class ForwardBatch:
         return len(self.context_lens)
 
     def seq_of_token(self) -> torch.Tensor:
-        q = torch.tensor([self.cu_seqlens[i + 1] - self.cu_seqlens[i] for i in range(self.num_seqs)],
-                         device=self.positions.device)
-        return torch.repeat_interleave(torch.arange(self.num_seqs, device=q.device), q)
+        """[T] sequence index of every token (computed once per batch, without a host sync)."""
+        seq = self.__dict__.get("_seq")
+        if seq is None:
+            q = torch.tensor([self.cu_seqlens[i + 1] - self.cu_seqlens[i] for i in range(self.num_seqs)],
+                             device=self.positions.device)
+            seq = torch.repeat_interleave(torch.arange(self.num_seqs, device=q.device), q,
+                                          output_size=self.cu_seqlens[-1])
+            self.__dict__["_seq"] = seq
+        return seq
 
 
 def slots_of(tables: torch.Tensor, seq: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:
