@@ -33,3 +33,6 @@ done
 for b in bench/bench_dispatch_combine.py bench/bench_length_correction.py ${ZI_EXTRA_BENCH:-}; do
   python3 "$b" --device cuda --out-dir "$OUT" 2>&1 | tail -40
 done
+# The engine: decode throughput and device idle gaps with the zero-overhead pipeline on / off.
+python3 -m zeroinfer bench --device cuda --batch-sizes "${ZI_ENGINE_BATCHES:-1,8,32,64,128,256}" \
+  --output-len 32 --out-dir "$OUT" 2>&1 | tail -25
