@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/zeroinfer-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c 'import torch;print(torch.__version__)'; } 2>&1 | tee "$OUT/env.log"
 
 t0=$(date +%s)
