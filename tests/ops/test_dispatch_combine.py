@@ -220,7 +220,7 @@ def test_cuda_dispatch_skewed_and_deterministic(gen):
     T, k, E, D = 4096, 6, 256, 256
     x = random_x(gen, T, D, torch.bfloat16).cuda()
     ids = random_ids(gen, T, k, E, skew=True).cuda()
-    a = moe_dispatch(x, ids, E, tile=64)
+    a = moe_dispatch(x, ids, E, tile=64, out=poisoned_dispatch(x, T, k, E, 64, device="cuda"))
     b = moe_dispatch(x, ids, E, tile=64)
     used = a.row_token >= 0  # padding rows are unwritten, so compare the rows in use
     assert torch.equal(a.token_row, b.token_row) and torch.equal(a.row_token, b.row_token)

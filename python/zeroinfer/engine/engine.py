@@ -89,6 +89,7 @@ class LLMEngine:
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_model_len=cfg.max_model_len)
         self.runner = ModelRunner(model.net, caches, model.device, forbid_sync=cfg.forbid_host_sync)
+        model.net.rope(model.device)  # build the RoPE tables now, not inside a launch
         self.scheduler.round_done = self._round_done
         self.rng = random.Random(seed)
         self.counter = itertools.count()

@@ -204,7 +204,8 @@ class ModelRunner:
             context_lens=host["ctx"],
             window_tables=self._tensor(host["tables"]["window"], i32),
             csa_tables=self._tensor(host["tables"]["csa"], i32),
-            hca_tables=self._tensor(host["tables"]["hca"], i32), state_slots=host["slots"])
+            hca_tables=self._tensor(host["tables"]["hca"], i32), state_slots=host["slots"],
+            seq=self._tensor([i for i, r in enumerate(handle.batch.rows) for _ in range(r.num_tokens)], i64))
         rows = host["logits_rows"]
         logits = self.net(fb, self.caches, logits_rows=self._tensor(rows, i64)) if rows else None
         batch = handle.batch

@@ -96,6 +96,7 @@ class ForwardBatch:
     csa_tables: torch.Tensor
     hca_tables: torch.Tensor
     state_slots: list[int]
+    seq: torch.Tensor | None = None  # [T] sequence index per token; derived if not given
 
     @property
     def num_seqs(self) -> int:
@@ -103,7 +104,7 @@ class ForwardBatch:
 
     def seq_of_token(self) -> torch.Tensor:
         """[T] sequence index of every token (computed once per batch, without a host sync)."""
-        seq = self.__dict__.get("_seq")
+        seq = self.seq if self.seq is not None else self.__dict__.get("_seq")
         if seq is None:
             q = torch.tensor([self.cu_seqlens[i + 1] - self.cu_seqlens[i] for i in range(self.num_seqs)],
                              device=self.positions.device)

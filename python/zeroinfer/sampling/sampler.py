@@ -146,14 +146,23 @@ class SamplingBatch:
                 raise ValueError(f"SamplingBatch.build: positions must be ints >= 0, got {q!r}")
         sampled = [p for p in params if p.temperature > 0]
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        device = torch.device(device)
+
+        def put(values, dtype):
+            # Pinned host memory + non_blocking: the copy never makes the host wait, so build()
+            # can sit in the engine's launch path.
+            t = torch.tensor(values, dtype=dtype)
+            if device.type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                     device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            seed=torch.tensor(list(seeds), dtype=torch.int64, device=device),
-            position=torch.tensor(list(positions), dtype=torch.int64, device=device),
+            temperature=put([p.temperature for p in params], torch.float32),
+            top_k=put([p.top_k for p in params], torch.int32),
+            top_p=put([p.top_p for p in params], torch.float32),
+            min_p=put([p.min_p for p in params], torch.float32),
+            seed=put(list(seeds), torch.int64),
+            position=put(list(positions), torch.int64),
             max_logprobs=max(requested, default=-1),
             needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
             any_sampled=bool(sampled),
