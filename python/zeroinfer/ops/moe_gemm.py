@@ -232,7 +232,10 @@ def _dequant_torch(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     lut = _PAIR_LUT.get(w.device)
     if lut is None:
         v = torch.tensor(_E2M1, dtype=torch.float32)
-        lut = torch.stack([v.repeat(16), v.repeat_interleave(16)], dim=-1).to(w.device)  # [256, 2]
+        lut = torch.stack([v.repeat(16), v.repeat_interleave(16)], dim=-1)  # [256, 2]
+        if w.device.type == "cuda":  # pinned + non_blocking: no host sync in a launch path
+            lut = lut.pin_memory()
+        lut = lut.to(w.device, non_blocking=True)
         _PAIR_LUT[w.device] = lut
     wb = w.view(torch.uint8) if w.dtype != torch.uint8 else w
     sb = w_scale.view(torch.uint8) if w_scale.dtype != torch.uint8 else w_scale
