@@ -24,18 +24,30 @@ def _run(model, work, async_on: bool):
     return [(r.output_ids, r.finish_reason) for r in reqs]
 
 
+def _work(model, seed):
+    rng = random.Random(seed)
+    V = model.config.vocab_size
+    return [([rng.randrange(2, V) for _ in range(rng.randint(1, 50))],
+             SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 24),
+                            ignore_eos=rng.random() < 0.7, seed=rng.randrange(2**31)))
+            for _ in range(60)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny", "tiny-yarn"])
 def test_cuda_async_matches_sync_without_host_sync(name, seed):
-    model = load(f"dummy:{name}", dtype=torch.bfloat16, device="cuda")
-    rng = random.Random(seed)
-    V = model.config.vocab_size
-    # Length-bounded requests only (ignore_eos, no stop ids): both modes then build the same
-    # batches, so even a GEMM library without batch invariance gives identical tokens.
-    work = [([rng.randrange(2, V) for _ in range(rng.randint(1, 50))],
-             SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 24),
-                            ignore_eos=True, seed=rng.randrange(2**31)))
-            for _ in range(60)]
-    sync = _run(model, work, False)
-    asy = _run(model, work, True)
-    assert sync == asy
+    """float32: token-identical. (The two modes may batch differently — a finished request's
+    blocks come back one round later in async mode — and cuBLAS GEMMs are not batch-invariant,
+    so bf16 runs can part ways at near-ties; see the bf16 test below.)"""
+    model = load(f"dummy:{name}", dtype=torch.float32, device="cuda")
+    work = _work(model, seed)
+    assert _run(model, work, False) == _run(model, work, True)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_async_pipeline_runs_without_host_sync(seed):
+    model = load("dummy:tiny", dtype=torch.bfloat16, device="cuda")
+    work = _work(model, seed)
+    out = _run(model, work, True)
+    for (toks, reason), (_, sp) in zip(out, work):
+        assert reason in ("stop", "length") and 1 <= len(toks) <= sp.max_tokens
