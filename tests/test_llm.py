@@ -1,0 +1,102 @@
+"""The LLM front end and the `zeroinfer` command line, on the embedded dummy model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zeroinfer import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("dummy", device="cpu", max_num_seqs=8, max_model_len=128, seed=3)
+
+
+def test_generate_text_and_ids_in_order(llm):
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in (3, 1, 5)]
+    outs = llm.generate(["Hello", [5, 6, 7, 8], "The capital of France is"], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [3, 1, 5]
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    assert outs[0].prompt == "Hello" and outs[0].prompt_token_ids == llm.tokenizer.encode("Hello", add_bos=True)
+    assert outs[1].prompt is None and outs[1].prompt_token_ids == [5, 6, 7, 8]
+    assert outs[2].text == llm.tokenizer.decode(outs[2].token_ids, skip_special_tokens=True)
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs(llm):
+    p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=6, seed=77, ignore_eos=True, logprobs=2)
+    a = llm.generate([[9, 10, 11]], p, use_tqdm=False)[0]
+    b = llm.generate([[9, 10, 11], [1, 2]], [p, SamplingParams(max_tokens=2)], use_tqdm=False)[0]
+    assert a.token_ids == b.token_ids
+    assert len(a.logprobs) == 6 and all(lp <= 0 and len(top) == 2 for lp, top in a.logprobs)
+
+
+def test_stop_strings_cut_the_text(llm):
+    free = llm.generate(["Hello"], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
+                        use_tqdm=False)[0]
+    stop = free.text[3:6]
+    if not stop.strip():
+        pytest.skip("generated text has no usable stop substring")
+    cut = llm.generate(["Hello"], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop],
+                                                 temperature=0.0),
+                       use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text and free.text.startswith(cut.text)
+
+
+def test_prompt_logits_match_the_model(llm):
+    ids = [3, 17, 250, 9000, 4, 4, 120000]
+    got = llm.prompt_logits(ids)
+    assert torch.equal(got, llm.model.logits(ids))
+
+
+def test_chat_parses_reply(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert out.message is not None and isinstance(out.message.content, str)
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    ("", ValueError, "prompt 0 is empty"),
+    ([], ValueError, "prompts is empty"),
+    ([[1, 2], [3, 129280]], ValueError, "outside the vocabulary"),
+    ([[2] * 200], ValueError, "max_model_len"),
+    ([3.5], TypeError, "prompt 0 must be"),
+])
+def test_bad_prompts_rejected(llm, bad, exc, match):
+    with pytest.raises(exc, match=match):
+        llm.generate(bad, use_tqdm=False)
+    assert llm.engine.blocks.all_free() or llm.engine.has_work() is False
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"), (dict(min_p=1.0), "min_p"),
+])
+def test_bad_sampling_params(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SamplingParams(**kw)
+
+
+def test_malformed_chat_and_unknown_model(llm):
+    with pytest.raises(ValueError, match="conversation 0"):
+        llm.chat([{"content": "no role"}], use_tqdm=False)
+    with pytest.raises(FileNotFoundError):
+        LLM("/nonexistent/checkpoint", device="cpu")
+
+
+def test_cli_generate_prints_jsonl():
+    out = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "Hello", "Bonjour",
+                          "--max-tokens", "3", "--ignore-eos", "--quiet"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["Hello", "Bonjour"]
+    assert all(len(r["token_ids"]) == 3 and r["finish_reason"] == "length" for r in rows)
+
+
+def test_cli_rejects_bad_input():
+    r = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "x", "--max-tokens", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "max_tokens" in r.stderr
