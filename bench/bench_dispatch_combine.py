@@ -10,7 +10,6 @@ weights and writes T rows.
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -51,10 +50,7 @@ def routing(T, skew, device, gen):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--out-dir", default=None, help="results root (default bench/results)")
-    args = ap.parse_args()
+    args = bench.parse_args(__doc__)
     dev = args.device
     cuda = dev == "cuda"
     tokens = [1, 8, 32, 128, 512, 2048, 8192] if cuda else [1, 32, 512, 2048]
@@ -96,11 +92,10 @@ def main() -> None:
     cols = ["op", "tokens", "routing", "time_us", "gbps", "fraction_of_floor", "torch_us",
             "speedup_vs_torch"]
     bench.print_table(rows, cols)
-    from pathlib import Path
 
     path = bench.write_results("dispatch_combine", rows, device=dev,
                                extra={"ceilings": ceilings},
-                               out_dir=Path(args.out_dir) if args.out_dir else None)
+                               out_dir=args.out_dir)
     print(f"wrote {path}")
 
 

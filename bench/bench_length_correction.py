@@ -10,8 +10,6 @@ launch of a few microseconds with no host synchronisation.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import torch
 
@@ -52,10 +50,7 @@ def make_round(R, S, device, gen):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--out-dir", default=None)
-    args = ap.parse_args()
+    args = bench.parse_args(__doc__)
     dev = args.device
     timer = bench.time_cuda if dev == "cuda" else bench.time_cpu
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +67,7 @@ def main() -> None:
                          "torch_us": t_torch * 1e6, "speedup_vs_torch": t_torch / t_ours})
     bench.print_table(rows, ["rows", "tokens_per_row", "time_us", "torch_us", "speedup_vs_torch"])
     path = bench.write_results("length_correction", rows, device=dev,
-                               out_dir=Path(args.out_dir) if args.out_dir else None)
+                               out_dir=args.out_dir)
     print(f"wrote {path}")
 
 

