@@ -92,14 +92,11 @@ class LLM:
                              num_preemptions=req.num_preemptions)
 
     def _run(self, encoded, params_list, use_tqdm: bool) -> list[RequestOutput]:
-        for i, (_, ids) in enumerate(encoded):  # validate everything before queueing anything
-            V = self.model.config.vocab_size
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"prompt {i}: token ids {bad[:3]} outside the vocabulary [0, {V})")
-            if len(ids) > self.engine.cfg.max_model_len:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens, more than max_model_len="
-                                 f"{self.engine.cfg.max_model_len}")
+        for i, ((_, ids), p) in enumerate(zip(encoded, params_list)):  # all before queueing any
+            try:
+                self.engine.check_request(ids, p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from e
         reqs = [self.engine.add_request(ids, p) for (_, ids), p in zip(encoded, params_list)]
         bar = None
         if use_tqdm:

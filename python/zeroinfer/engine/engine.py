@@ -105,9 +105,8 @@ class LLMEngine:
         self.runner.close()
 
     # --- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, *,
-                    request_id: str | None = None, prompt_logits: bool = False) -> Request:
-        """Validate and queue a request; raises ValueError/TypeError, leaving the engine as it was."""
+    def check_request(self, prompt_ids, params: SamplingParams) -> None:
+        """Raise ValueError/TypeError if the request can never be served; changes nothing."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
@@ -124,6 +123,11 @@ class LLMEngine:
                 k.blocks_for(longest) > k.num_blocks for k in self.blocks.kinds):
             raise ValueError(f"a request of up to {longest} tokens cannot fit in the KV cache; "
                              "raise kv_cache_bytes or lower max_tokens")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *,
+                    request_id: str | None = None, prompt_logits: bool = False) -> Request:
+        """Validate and queue a request; raises ValueError/TypeError, leaving the engine as it was."""
+        self.check_request(prompt_ids, params)
         rid = request_id if request_id is not None else str(next(self.counter))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
