@@ -39,3 +39,14 @@ def seed(request) -> int:
 @pytest.fixture
 def gen(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def single_torch_thread():
+    """torch's own intra-op threads only slow small reference computations down on a shared
+    2-core machine (they spin against the kernel's pool); the kernel keeps its threads. Test
+    modules opt in with pytestmark = pytest.mark.usefixtures("single_torch_thread")."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -9,14 +9,7 @@ from zeroinfer.quant.kv_fp8 import dequantize_kv_fp8, quantize_kv_fp8
 from zeroinfer.reference.sparse_mla import _decode_cache
 
 
-@pytest.fixture(autouse=True)
-def _single_torch_thread():
-    """torch's own intra-op threads only slow these small reference computations down on a
-    shared 2-core machine (they spin against the kernel's pool); the kernel keeps its threads."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def e4m3_half_ulp(v: torch.Tensor) -> torch.Tensor:

@@ -21,15 +21,7 @@ FP8 = torch.float8_e4m3fn
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _torch_single_thread():
-    """The float64 references are tiny: run torch single-threaded in this module. With torch's
-    OpenMP pool active, its spin-waiting threads compete with zeroinfer's own pool for the cores
-    and, on a loaded 2-core machine, made this file ~10x slower in CPU time."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -576,23 +568,16 @@ def test_out_alias():
 
 
 # --------------------------------------------------------- interim CUDA path (torch), on CPU
-@pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
-@pytest.mark.parametrize("mode", SWIGLU_MODES)
-def test_interim_torch_path_on_cpu(gen, masked, dtype, mode):
-    """The interim CUDA path is plain torch: run it on CPU tensors against the reference, so it is
-    covered without a GPU (test_cuda_matches_reference runs it on the GPU)."""
-    from zeroinfer.ops.moe_gemm import _interim_cuda
-
-    E, N, K = 4, 64, 256
+def layout_case(gen, masked, dtype, mode, *, E, N, K, cap, max_rows, empty):
+    """Random weights, activations and a masked or contiguous layout for one SwiGLU mode.
+    Returns (w, s, a, a_scale, layout kwargs, output row shape, fuse, swiglu limit)."""
     w, s = rand_weights(gen, E, N, K)
     if masked:
-        cap = 7
         layout = {"masked_m": torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)}
         a, a_scale = rand_act(gen, (E, cap, K), dtype)
         rows = (E, cap)
     else:
-        counts = rand_counts(gen, E, 30, empty=1)
+        counts = rand_counts(gen, E, max_rows, empty=empty)
         offsets, cnt, total = make_contiguous(gen, counts, pad_max=3)
         layout = {"expert_offsets": offsets, "expert_counts": cnt}
         a, a_scale = rand_act(gen, (total, K), dtype)
@@ -601,6 +586,20 @@ def test_interim_torch_path_on_cpu(gen, masked, dtype, mode):
     lim = None
     if mode == "swiglu_limit":
         a, a_scale, lim = clamp_inputs(gen, a, a_scale, w, s, **layout)
+    return w, s, a, a_scale, layout, rows, fuse, lim
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("mode", SWIGLU_MODES)
+def test_interim_torch_path_on_cpu(gen, masked, dtype, mode):
+    """The interim CUDA path is plain torch: run it on CPU tensors against the reference, so it is
+    covered without a GPU (test_cuda_matches_reference runs it on the GPU)."""
+    from zeroinfer.ops.moe_gemm import _interim_cuda
+
+    w, s, a, a_scale, layout, rows, fuse, lim = layout_case(gen, masked, dtype, mode, E=4, N=64,
+                                                           K=256, cap=7, max_rows=30, empty=1)
+    N = w.shape[1]
     od = default_out_dtype(a)
     out = poisoned((*rows, N // 2 if fuse else N), od)
     _interim_cuda(a, w, s, layout.get("expert_offsets"), layout.get("expert_counts"),
@@ -616,23 +615,9 @@ def test_interim_torch_path_on_cpu(gen, masked, dtype, mode):
 @pytest.mark.parametrize("mode", SWIGLU_MODES)
 def test_cuda_matches_reference(gen, masked, dtype, mode):
     """The CUDA path (for now the interim torch path) against the reference, on the GPU."""
-    E, N, K = 6, 96, 256
-    w, s = rand_weights(gen, E, N, K)
-    if masked:
-        cap = 9
-        layout = {"masked_m": torch.randint(0, cap + 1, (E,), generator=gen, dtype=torch.int32)}
-        a, a_scale = rand_act(gen, (E, cap, K), dtype)
-        rows = (E, cap)
-    else:
-        counts = rand_counts(gen, E, 40, empty=2)
-        offsets, cnt, total = make_contiguous(gen, counts, pad_max=3)
-        layout = {"expert_offsets": offsets, "expert_counts": cnt}
-        a, a_scale = rand_act(gen, (total, K), dtype)
-        rows = (total,)
-    fuse = mode != "plain"
-    lim = None
-    if mode == "swiglu_limit":
-        a, a_scale, lim = clamp_inputs(gen, a, a_scale, w, s, **layout)
+    w, s, a, a_scale, layout, rows, fuse, lim = layout_case(gen, masked, dtype, mode, E=6, N=96,
+                                                           K=256, cap=9, max_rows=40, empty=2)
+    N = w.shape[1]
     od = default_out_dtype(a)
     n_out = N // 2 if fuse else N
     dev = torch.device("cuda")

@@ -25,14 +25,7 @@ FORMATS = ["f32", "bf16", "fp8", "fp8raw"]
 PATTERNS = ["sorted", "random", "window", "mixed", "none"]
 
 
-@pytest.fixture(autouse=True)
-def _single_torch_thread():
-    """torch's own intra-op threads only slow these small reference computations down on a
-    shared 2-core machine (they spin against the kernel's pool); the kernel keeps its threads."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 # --- input builders --------------------------------------------------------------------------
