@@ -3,7 +3,8 @@
 
 import torch
 
-from zeroinfer.ops import correct_lengths, moe_combine, moe_dispatch
+from zeroinfer.ops import correct_lengths, moe_combine, moe_dispatch, sparse_mla_attention
+from zeroinfer.quant.kv_fp8 import quantize_kv_fp8
 
 gen = torch.Generator().manual_seed(1)
 for T, k, E, tile, D in [(1, 6, 256, 64, 4096), (300, 6, 256, 16, 4096), (77, 3, 5, 1, 13)]:
@@ -20,5 +21,24 @@ correct_lengths(torch.randperm(R, **i32), torch.randint(1, S + 1, (R,), **i32),
                 torch.randint(0, 1000, (R, S), **i32), torch.full((R,), S, **i32),
                 torch.full((R,), S, **i32), cu, torch.randint(S, 900, (R,), **i32),
                 torch.randint(0, 900, (R * S,), **i32), torch.randint(0, 1000, (R * S,), **i32))
+
+# Sparse MLA: split and unsplit plans, both cache formats, extra cache, -1 entries, ragged tails.
+for T, H, K, K2, fmt in [(1, 64, 200, 77, "fp8"), (40, 16, 130, 0, "bf16"), (3, 128, 64, 9, "fp8"),
+                         (200, 8, 65, 33, "bf16")]:
+    kv = torch.randn(8, 64, 512, generator=gen)
+    kv2 = torch.randn(4, 16, 512, generator=gen)
+    if fmt == "fp8":
+        kv, kv2 = quantize_kv_fp8(kv), quantize_kv_fp8(kv2)
+    else:
+        kv, kv2 = kv.bfloat16(), kv2.bfloat16()
+    idx = torch.randint(-1, 8 * 64, (T, K), generator=gen, dtype=torch.int32)
+    extra = {}
+    if K2:
+        extra = dict(extra_kv_cache=kv2.cuda(),
+                     extra_indices=torch.randint(-1, 64, (T, K2), generator=gen,
+                                                 dtype=torch.int32).cuda())
+    q = torch.randn(T, H, 512, generator=gen).to("cuda", torch.bfloat16)
+    sparse_mla_attention(q, kv.cuda(), idx.cuda(), 0.05, attn_sink=torch.randn(H).cuda(), **extra)
+
 torch.cuda.synchronize()
 print("sanitize cases done")

@@ -269,30 +269,7 @@ def test_interim_torch_path_on_cpu(gen, fmt, T, H, K):
     assert_matches(out, lse, *ref, torch.float32)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "fp8"])
-@pytest.mark.parametrize("T,H,K", [(1, 64, 128), (8, 64, 640), (3, 16, 0)])
-def test_cuda_matches_reference(gen, fmt, T, H, K):
-    cache = make_cache(gen, fmt, 16, 64)
-    idx = make_indices(gen, "mixed", T, K, num_slots(cache))
-    cache2 = make_cache(gen, fmt, 8, 2)
-    idx2 = make_indices(gen, "sorted", T, 9, num_slots(cache2))
-    q = torch.randn(T, H, D, generator=gen).bfloat16()
-    sink = torch.randn(H, generator=gen)
-    dev = "cuda"
-    out = torch.full((T, H, D), float("nan"), dtype=q.dtype, device=dev)
-    lse = torch.full((T, H), float("nan"), device=dev)
-    sparse_mla_attention(q.to(dev), cache.to(dev), idx.to(dev), 0.05, attn_sink=sink.to(dev),
-                         extra_kv_cache=cache2.to(dev), extra_indices=idx2.to(dev),
-                         out=out, lse=lse, check_indices=True)
-    ref = sparse_mla_attention_ref(q, cache, idx, 0.05, attn_sink=sink, extra_kv_cache=cache2,
-                                   extra_indices=idx2)
-    assert_matches(out.cpu(), lse.cpu(), *ref, torch.bfloat16)
-    bad = idx.to(dev).clone()
-    if bad.numel():
-        bad[0, 0] = num_slots(cache)
-        with pytest.raises(ValueError, match="indices"):
-            sparse_mla_attention(q.to(dev), cache.to(dev), bad, 0.05, check_indices=True)
+# The CUDA kernel's tests are in test_sparse_mla_cuda.py.
 
 
 # --- argument validation ---------------------------------------------------------------------

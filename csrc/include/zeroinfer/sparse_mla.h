@@ -78,4 +78,25 @@ struct SparseMlaParams {
 // Throws std::invalid_argument (via ZI_CHECK) on inconsistent parameters or a slot out of range.
 void sparse_mla_attention_cpu(const SparseMlaParams& p);
 
+// ---- CUDA (sm_90a; built only with nvcc) -----------------------------------------------------
+// The kernel takes q in bfloat16 and a bfloat16 or FP8-layout cache (the Python op routes other
+// dtype combinations elsewhere). Each query token's list (main then extra) is cut into
+// `num_splits` pieces of `tiles_per_split` 64-entry tiles when there are too few (token, head
+// group) work items to fill the GPU; the pieces are merged by a second, deterministic kernel.
+struct SparseMlaCudaPlan {
+  int64_t num_splits = 1;
+  int64_t tiles_per_split = 1;
+  int64_t workspace_floats = 0;  // float32 scratch the caller allocates (0: none needed)
+};
+
+// The plan depends on shapes only (never on device values), so launches need no host sync.
+SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, int64_t total_topk,
+                                       int64_t num_sms);
+
+// Requirements (checked by the Python op): q rows, cache blocks and out rows 16-byte aligned
+// (strides in elements multiples of 8, cache block stride a multiple of 16 bytes); `workspace`
+// holds plan.workspace_floats floats; `stream` is a cudaStream_t.
+void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan& plan,
+                               float* workspace, void* stream);
+
 }  // namespace zi

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from zeroinfer import _C
-from zeroinfer.ops._backend import dtype_code, ptr, use_cuda
+from zeroinfer.ops._backend import dtype_code, ptr, stream_of, use_cuda
 from zeroinfer.ops._checks import check_float, check_no_alias, check_tensor
 from zeroinfer.quant.kv_fp8 import (
     BYTES_PER_TOKEN,
@@ -116,10 +116,15 @@ def sparse_mla_attention(
         return out, lse
 
     if cuda:
-        # Interim CUDA path until the Hopper kernel lands (see _sparse_mla_torch).
-        _sparse_mla_torch(q, kv_cache, indices, softmax_scale, attn_sink=attn_sink,
-                          extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-                          out=out, lse=lse)
+        if _kernel_supports(q, kv_cache, extra_kv_cache, out):
+            _launch_cuda(q, kv_cache, kv_block_size, indices, softmax_scale, attn_sink,
+                         extra_kv_cache, extra_block_size, extra_indices, out, lse)
+        else:
+            # float32 queries or caches: the float32 torch path (a debugging/reference mode;
+            # the Hopper kernel is bf16 on the tensor cores).
+            _sparse_mla_torch(q, kv_cache, indices, softmax_scale, attn_sink=attn_sink,
+                              extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                              out=out, lse=lse)
         return out, lse
 
     kw = _cache_args(False, kv_cache, kv_block_size, indices)
@@ -133,6 +138,53 @@ def sparse_mla_attention(
         lse=ptr(lse), lse_stride_token=lse.stride(0), **kw,
     )
     return out, lse
+
+
+def _aligned16(t: torch.Tensor, *strides: int) -> bool:
+    return t.data_ptr() % 16 == 0 and all(st % (16 // t.element_size()) == 0 for st in strides)
+
+
+def _kernel_supports(q, kv_cache, extra_kv_cache, out) -> bool:
+    """Whether the CUDA kernel takes these tensors: bf16 q/out, bf16 or FP8-layout caches, rows
+    16-byte aligned (anything else runs the torch path)."""
+    if q.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.uint8):
+        return False
+    caches = [c for c in (kv_cache, extra_kv_cache) if c is not None and c.numel() > 0]
+    return (_aligned16(q, q.stride(0), q.stride(1)) and _aligned16(out, out.stride(0), out.stride(1))
+            and all(c.data_ptr() % 16 == 0 and (c.stride(0) * c.element_size()) % 16 == 0
+                    for c in caches))
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _launch_cuda(q, kv_cache, kv_block_size, indices, softmax_scale, attn_sink, extra_kv_cache,
+                 extra_block_size, extra_indices, out, lse) -> None:
+    """The Hopper kernel (csrc/cuda/sparse_mla.cu). The split plan depends on shapes only, so
+    nothing here waits for the device."""
+    T, H, _ = q.shape
+    total = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
+    num_splits, per_split, ws_floats = _C.sparse_mla_cuda_plan(T, H, total, _num_sms(q.device))
+    workspace = (torch.empty(ws_floats, dtype=torch.float32, device=q.device)
+                 if ws_floats else None)
+    kw = _cache_args(False, kv_cache, kv_block_size, indices)
+    if extra_kv_cache is not None:
+        kw.update(_cache_args(True, extra_kv_cache, extra_block_size, extra_indices))
+    _C.sparse_mla_attention_cuda(
+        q=ptr(q), q_dtype=dtype_code(q), num_tokens=T, num_heads=H,
+        q_stride_token=q.stride(0), q_stride_head=q.stride(1),
+        attn_sink=ptr(attn_sink), softmax_scale=softmax_scale,
+        out=ptr(out), out_stride_token=out.stride(0), out_stride_head=out.stride(1),
+        lse=ptr(lse), lse_stride_token=lse.stride(0), num_splits=num_splits,
+        tiles_per_split=per_split, workspace=ptr(workspace), stream=stream_of(q.device), **kw,
+    )
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -168,7 +220,7 @@ def _check_index_range(name: str, idx: torch.Tensor, num_slots: int) -> None:
 
 
 def _cache_args(extra: bool, cache: torch.Tensor, block_size: int, idx: torch.Tensor) -> dict:
-    """Keyword arguments of _C.sparse_mla_attention_cpu for the main or the extra cache."""
+    """Keyword arguments of _C.sparse_mla_attention_{cpu,cuda} for the main or the extra cache."""
     geometry = dict(dtype=dtype_code(cache), num_blocks=cache.shape[0], block_size=block_size,
                     block_stride_bytes=cache.stride(0) * cache.element_size())
     if not extra:

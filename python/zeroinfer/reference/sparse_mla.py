@@ -73,7 +73,7 @@ def sparse_mla_attention_ref(
         if rows.shape[0] > 0:
             keys = rows[safe]
         else:  # a cache without slots: every index is -1
-            keys = torch.zeros(*idx.shape, 512, dtype=torch.float64)
+            keys = torch.zeros(*idx.shape, 512, dtype=torch.float64, device=q.device)
         key_list.append(keys)  # [T, K, 512]
         valid_list.append(valid)
     keys = torch.cat(key_list, dim=1)
@@ -85,7 +85,7 @@ def sparse_mla_attention_ref(
     if scores.shape[-1] > 0:
         lse = torch.logsumexp(scores, dim=-1)
     else:
-        lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
+        lse = torch.full((T, H), float("-inf"), dtype=torch.float64, device=q.device)
     denom_log = lse
     if attn_sink is not None:
         sink = attn_sink.to(torch.float64)[None, :].expand(T, H)

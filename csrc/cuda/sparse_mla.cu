@@ -1,0 +1,660 @@
+// CUDA sparse MLA attention for Hopper (contract in zeroinfer/sparse_mla.h): bf16 queries over a
+// paged bf16 cache or the V4 FP8 ("MODEL1") cache, per-token index lists (main + extra), sinks,
+// LSE. Decode and prefill are the same kernel: every query token has its own list, so the work
+// item is (token, group of heads, split of the list).
+//
+// One CTA = 8 warps = 16*R query heads of one token (R = 1, 2 or 4 row groups of 16 heads) over
+// tiles of kTileN = 64 list entries. The 64 KV rows of a tile are gathered by cp.async (FP8: into
+// a raw staging ring, then dequantised ONCE per CTA into a bf16 tile shared by all its heads;
+// bf16: straight into a double-buffered tile). Warps are arranged R x C (C = 8 / R):
+//   S = Q K^T   warp (rg, cg) computes heads rg*16.. over entries cg*(64/C).. (all 512 dims),
+//   softmax     row maxima exchanged through shared memory within the row group,
+//   O += P V    P goes through shared memory; warp (rg, cg) owns output dims cg*(512/C)..
+// so one warp's fp32 accumulator is 16 x 512/C (<= 128 registers a thread). Tensor cores via
+// mma.sync m16n8k16 bf16 with ldmatrix from XOR-swizzled shared memory (conflict-free).
+//
+// Split-KV: with few (token, head-group) items the list is cut into `num_splits` pieces; each
+// writes an unnormalised fp32 partial (O, max, sum) to the workspace and a combine kernel merges
+// them in a fixed order (deterministic). Scores are kept in base 2: s2 = (q.k) * scale * log2(e).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "check.cuh"
+#include "zeroinfer/sparse_mla.h"
+
+namespace zi {
+namespace {
+
+constexpr int kDim = 512;
+constexpr int kTileN = 64;                       // list entries per tile
+constexpr int kThreads = 256;                    // 8 warps
+constexpr int kRowBytes = kDim * 2;              // one bf16 row in shared memory (64 chunks)
+constexpr int kFp8Row = 576;                     // 448 e4m3 + 64 bf16
+constexpr int kStageBytes = kTileN * kFp8Row + kTileN * 8;  // raw FP8 tile + its scales
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Byte offset of 16-byte chunk `c` of row `r` in a swizzled tile of 1024-byte rows.
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+  return static_cast<uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 8 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                        uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t addr, uint32_t& r0, uint32_t& r1) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r0), "=r"(r1)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1,
+                                          uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// D += A(16x16, row) * B(16x8, col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Barrier over the C warps of one row group (ids 1..4; 0 is __syncthreads).
+template <int C>
+__device__ __forceinline__ void row_group_sync(int rg) {
+  if constexpr (C == 1) {
+    __syncwarp();
+  } else {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + rg), "r"(C * 32) : "memory");
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// 4 e4m3 bytes (little-endian in `x`) times 2^k -> 2 packed bf16 pairs. e4m3 -> f16 is exact, so
+// is the power-of-two scale and the rounding to bf16 (3 mantissa bits fit in 7).
+__device__ __forceinline__ void dequant4(uint32_t x, float scale, uint32_t& lo, uint32_t& hi) {
+  __half2_raw h0 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xffffu),
+                                              __NV_E4M3);
+  __half2_raw h1 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x >> 16),
+                                              __NV_E4M3);
+  const float2 f0 = __half22float2(*reinterpret_cast<__half2*>(&h0));
+  const float2 f1 = __half22float2(*reinterpret_cast<__half2*>(&h1));
+  lo = pack_bf16(f0.x * scale, f0.y * scale);
+  hi = pack_bf16(f1.x * scale, f1.y * scale);
+}
+
+__device__ __forceinline__ float ue8m0(uint32_t b) {
+  return b ? __uint_as_float(b << 23) : __uint_as_float(0x00400000u);  // 2^(b-127)
+}
+
+struct CacheView {
+  const uint8_t* data;
+  const int32_t* indices;  // row t at indices + t * stride
+  int64_t stride;
+  int64_t block_stride;    // bytes
+  uint32_t block_size;
+  int32_t topk;
+};
+
+struct KernelArgs {
+  const __nv_bfloat16* q;
+  int64_t q_stride_token, q_stride_head;
+  CacheView kv, extra;     // extra.topk == 0 when absent
+  const float* sink;       // [H] or nullptr
+  float scale_log2;        // softmax_scale * log2(e)
+  int num_heads;
+  int num_splits;
+  int tiles_per_split;
+  // Final outputs (num_splits == 1).
+  __nv_bfloat16* out;
+  int64_t out_stride_token, out_stride_head;
+  float* lse;
+  int64_t lse_stride_token;
+  // Partials (num_splits > 1): [split][token][head] (O: x512).
+  float* part_o;
+  float* part_m;
+  float* part_l;
+  int64_t num_tokens;
+};
+
+// Slot of list position `pos` of token t (main list then extra list), or -1; sets *which.
+__device__ __forceinline__ int32_t lookup(const KernelArgs& a, int64_t t, int pos, int& which) {
+  if (pos < a.kv.topk) {
+    which = 0;
+    return a.kv.indices[t * a.kv.stride + pos];
+  }
+  which = 1;
+  const int p2 = pos - a.kv.topk;
+  return p2 < a.extra.topk ? a.extra.indices[t * a.extra.stride + p2] : -1;
+}
+
+// Address of the token row of `slot` in cache `c` (FP8: its 576-byte row; bf16: its 1024 bytes).
+template <bool kFp8>
+__device__ __forceinline__ const uint8_t* row_ptr(const CacheView& c, uint32_t slot,
+                                                  const uint8_t** scale_ptr) {
+  const uint32_t blk = slot / c.block_size, off = slot - blk * c.block_size;
+  const uint8_t* base = c.data + static_cast<int64_t>(blk) * c.block_stride;
+  if constexpr (kFp8) {
+    *scale_ptr = base + static_cast<int64_t>(c.block_size) * kFp8Row + off * 8u;
+    return base + static_cast<int64_t>(off) * kFp8Row;
+  } else {
+    *scale_ptr = nullptr;
+    return base + static_cast<int64_t>(off) * kRowBytes;
+  }
+}
+
+// Issue the cp.asyncs of tile `tile`: FP8 -> raw staging buffer, bf16 -> swizzled tile.
+template <bool kFp8>
+__device__ __forceinline__ void load_tile(const KernelArgs& a, int64_t t, int tile, uint8_t* dst) {
+  const int total = a.kv.topk + a.extra.topk;
+  constexpr int kChunks = kFp8 ? 37 : 64;  // FP8: 36 x 16 B row + one 8 B scale chunk
+  for (int i = threadIdx.x; i < kTileN * kChunks; i += kThreads) {
+    const int e = i / kChunks, c = i - e * kChunks;
+    const int pos = tile * kTileN + e;
+    int which = 0;
+    const int32_t slot = pos < total ? lookup(a, t, pos, which) : -1;
+    const bool valid = slot >= 0;
+    const CacheView& cv = which ? a.extra : a.kv;
+    const uint8_t* sp = nullptr;
+    // Zero-filled copies (src-size 0) read nothing; q is a valid address even when a cache is
+    // empty (an empty tensor's data pointer may be null).
+    const uint8_t* dummy = reinterpret_cast<const uint8_t*>(a.q);
+    const uint8_t* rp = valid ? row_ptr<kFp8>(cv, static_cast<uint32_t>(slot), &sp) : dummy;
+    if constexpr (kFp8) {
+      if (c < 36) {
+        cp_async16(smem_u32(dst + e * kFp8Row + c * 16), rp + c * 16, valid);
+      } else {
+        cp_async8(smem_u32(dst + kTileN * kFp8Row + e * 8), valid ? sp : dummy, valid);
+      }
+    } else {
+      cp_async16(smem_u32(dst) + swz(e, c), rp + c * 16, valid);
+    }
+  }
+}
+
+// Raw FP8 staging tile -> swizzled bf16 tile (zero-filled rows stay zero).
+__device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint8_t* tile) {
+  const uint8_t* scales = stage + kTileN * kFp8Row;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < kTileN * 64; i += kThreads) {
+    const int e = i >> 6, c = i & 63;
+    uint4 v;
+    if (c < 56) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(stage + e * kFp8Row + c * 8);
+      const float s = ue8m0(scales[e * 8 + (c >> 3)]);
+      dequant4(raw.x, s, v.x, v.y);
+      dequant4(raw.y, s, v.z, v.w);
+    } else {
+      v = *reinterpret_cast<const uint4*>(stage + e * kFp8Row + 448 + (c - 56) * 16);
+    }
+    *reinterpret_cast<uint4*>(tile + swz(e, c)) = v;
+  }
+}
+
+template <int R, bool kFp8>
+struct Smem {
+  static constexpr int kHeads = 16 * R;
+  static constexpr int kC = 8 / R;
+  static constexpr int kStages = kFp8 ? (R == 4 ? 2 : 3) : 0;
+  static constexpr int kTiles = kFp8 ? 1 : 2;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kHeads * kRowBytes;
+  static constexpr int kStage = kK + kTiles * kTileN * kRowBytes;
+  static constexpr int kP = kStage + kStages * kStageBytes;
+  static constexpr int kRed = kP + kHeads * kTileN * 2;        // [2][R][16][C] floats
+  static constexpr int kBytes = kRed + 2 * R * 16 * kC * 4;
+};
+
+template <int R, bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_kernel(const KernelArgs a) {
+  using S = Smem<R, kFp8>;
+  constexpr int C = S::kC;
+  constexpr int kEntriesPerWarp = kTileN / C;   // S columns of one warp: 8, 16 or 32
+  constexpr int NT = kEntriesPerWarp / 8;       // n8 tiles of S per warp
+  constexpr int kDimsPerWarp = kDim / C;        // O columns of one warp
+  constexpr int OT = kDimsPerWarp / 8;          // n8 tiles of O per warp
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sQ = smem + S::kQ;
+  uint8_t* sK = smem + S::kK;
+  uint8_t* sP = smem + S::kP;
+  float* sRed = reinterpret_cast<float*>(smem + S::kRed);
+
+  const int64_t t = blockIdx.x;
+  const int head0 = blockIdx.y * S::kHeads;
+  const int split = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rg = warp / C, cg = warp % C;
+  const int g = lane >> 2, q4 = lane & 3;
+
+  const int total = a.kv.topk + a.extra.topk;
+  const int ntiles = (total + kTileN - 1) / kTileN;
+  const int tile_begin = split * a.tiles_per_split;
+  const int tile_end = min(ntiles, tile_begin + a.tiles_per_split);
+  const int n = max(0, tile_end - tile_begin);
+
+  // Q: 16R heads x 512 bf16, swizzled; heads past H are zero-filled.
+  for (int i = threadIdx.x; i < S::kHeads * 64; i += kThreads) {
+    const int r = i >> 6, c = i & 63, h = head0 + r;
+    const bool valid = h < a.num_heads;
+    const __nv_bfloat16* src =
+        a.q + t * a.q_stride_token + static_cast<int64_t>(valid ? h : 0) * a.q_stride_head + c * 8;
+    cp_async16(smem_u32(sQ) + swz(r, c), src, valid);
+  }
+
+  // Pipeline prologue (the Q copies join the first group).
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int s = 0; s < S::kStages - 1; ++s) {
+      if (s < n) load_tile<true>(a, t, tile_begin + s, smem + S::kStage + s * kStageBytes);
+      cp_async_commit();
+    }
+  } else {
+    if (n > 0) load_tile<false>(a, t, tile_begin, sK);
+    cp_async_commit();
+  }
+
+  float acc[OT][4];
+#pragma unroll
+  for (int j = 0; j < OT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // rows g, g + 8 (base-2 units)
+  float l_run[2] = {0.f, 0.f};              // this thread's partial sums
+
+  const uint32_t q_base = smem_u32(sQ);
+  const uint32_t p_base = smem_u32(sP);
+
+  for (int it = 0; it < n; ++it) {
+    const int tile = tile_begin + it;
+    uint8_t* kt;
+    if constexpr (kFp8) {
+      const int next = it + S::kStages - 1;
+      if (next < n)
+        load_tile<true>(a, t, tile_begin + next,
+                        smem + S::kStage + (next % S::kStages) * kStageBytes);
+      cp_async_commit();
+      cp_async_wait<S::kStages - 1>();
+      __syncthreads();  // staging tile `it` landed; everyone is done with the bf16 tile
+      dequant_tile(smem + S::kStage + (it % S::kStages) * kStageBytes, sK);
+      __syncthreads();
+      kt = sK;
+    } else {
+      if (it + 1 < n) load_tile<false>(a, t, tile + 1, sK + ((it + 1) & 1) * kTileN * kRowBytes);
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();
+      kt = sK + (it & 1) * kTileN * kRowBytes;
+    }
+    const uint32_t k_base = smem_u32(kt);
+
+    // ---- S = Q K^T over this warp's entries --------------------------------------------
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    const int n0 = cg * kEntriesPerWarp;
+#pragma unroll 4
+    for (int kk = 0; kk < kDim / 16; ++kk) {
+      uint32_t a0, a1, a2, a3;
+      ldsm_x4(q_base + swz(rg * 16 + (lane & 15), 2 * kk + (lane >> 4)), a0, a1, a2, a3);
+      if constexpr (NT == 1) {
+        uint32_t b0, b1;
+        ldsm_x2(k_base + swz(n0 + (lane & 7), 2 * kk + ((lane >> 3) & 1)), b0, b1);
+        mma_bf16(s[0], a0, a1, a2, a3, b0, b1);
+      } else {
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(k_base + swz(n0 + j * 8 + (lane & 7) + ((lane >> 4) << 3),
+                               2 * kk + ((lane >> 3) & 1)),
+                  b0, b1, b2, b3);
+          mma_bf16(s[j], a0, a1, a2, a3, b0, b1);
+          mma_bf16(s[j + 1], a0, a1, a2, a3, b2, b3);
+        }
+      }
+    }
+
+    // ---- mask, scale, tile maxima ---------------------------------------------------------
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int pos = tile * kTileN + n0 + j * 8 + q4 * 2 + x;
+        int which;
+        const bool valid = pos < total && lookup(a, t, pos, which) >= 0;
+        s[j][x] = valid ? s[j][x] * a.scale_log2 : -INFINITY;
+        s[j][2 + x] = valid ? s[j][2 + x] * a.scale_log2 : -INFINITY;
+        mx[0] = fmaxf(mx[0], s[j][x]);
+        mx[1] = fmaxf(mx[1], s[j][2 + x]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    float* red = sRed + (it & 1) * (R * 16 * C);  // double-buffered [R][16][C]
+    if constexpr (C > 1) {
+      if (q4 == 0) {
+        red[(rg * 16 + g) * C + cg] = mx[0];
+        red[(rg * 16 + g + 8) * C + cg] = mx[1];
+      }
+      row_group_sync<C>(rg);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < C; ++c) m = fmaxf(m, red[(rg * 16 + g + 8 * r) * C + c]);
+        mx[r] = m;
+      }
+    }
+    float alpha[2], m_new[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_new[r] = fmaxf(m_run[r], mx[r]);
+      alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2f(m_run[r] - m_new[r]);
+      m_run[r] = m_new[r];
+      l_run[r] *= alpha[r];
+    }
+
+    // ---- P = exp2(s - m) -> shared memory (bf16); rescale O ---------------------------------
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      float p[4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int r = x >> 1;
+        p[x] = m_new[r] == -INFINITY ? 0.f : exp2f(s[j][x] - m_new[r]);
+        l_run[r] += p[x];
+      }
+      const int col = n0 + j * 8 + q4 * 2;  // entry within the tile
+      const int row = rg * 16 + g;
+      const uint32_t lo = pack_bf16(p[0], p[1]), hi = pack_bf16(p[2], p[3]);
+      // P rows are 128 bytes (8 chunks), swizzled by row & 7.
+      *reinterpret_cast<uint32_t*>(sP + row * 128 + (((col >> 3) ^ (row & 7)) << 4) +
+                                   (col & 7) * 2) = lo;
+      *reinterpret_cast<uint32_t*>(sP + (row + 8) * 128 + (((col >> 3) ^ ((row + 8) & 7)) << 4) +
+                                   (col & 7) * 2) = hi;
+    }
+#pragma unroll
+    for (int j = 0; j < OT; ++j) {
+      acc[j][0] *= alpha[0];
+      acc[j][1] *= alpha[0];
+      acc[j][2] *= alpha[1];
+      acc[j][3] *= alpha[1];
+    }
+    row_group_sync<C>(rg);
+
+    // ---- O += P V over this warp's output dims ---------------------------------------------
+    const int d0 = cg * kDimsPerWarp / 8;  // first 16-byte chunk of this warp's dims
+#pragma unroll
+    for (int ks = 0; ks < kTileN / 16; ++ks) {
+      uint32_t a0, a1, a2, a3;
+      {
+        const int row = rg * 16 + (lane & 15), ch = 2 * ks + (lane >> 4);
+        ldsm_x4(p_base + row * 128 + ((ch ^ (row & 7)) << 4), a0, a1, a2, a3);
+      }
+#pragma unroll
+      for (int j = 0; j < OT; j += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(k_base + swz(ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                               d0 + j + (lane >> 4)),
+                  b0, b1, b2, b3);
+        mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
+        mma_bf16(acc[j + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+    if constexpr (!kFp8) __syncthreads();  // the next load overwrites the other buffer's twin
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: row sums over the row group, then normalise or write partials -------------
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  if constexpr (C > 1) {
+    __syncthreads();  // every warp is past its last use of sRed
+    if (q4 == 0) {
+      sRed[(rg * 16 + g) * C + cg] = l_run[0];
+      sRed[(rg * 16 + g + 8) * C + cg] = l_run[1];
+    }
+    row_group_sync<C>(rg);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = 0.f;
+#pragma unroll
+      for (int c = 0; c < C; ++c) l += sRed[(rg * 16 + g + 8 * r) * C + c];
+      l_run[r] = l;
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = head0 + rg * 16 + g + 8 * r;
+    if (h >= a.num_heads) continue;
+    const float l = l_run[r], m = m_run[r];
+    if (a.num_splits == 1) {
+      float inv = 0.f;
+      if (l > 0.f) {
+        float denom = l;
+        if (a.sink != nullptr) denom += exp2f(a.sink[h] * kLog2e - m);
+        inv = 1.f / denom;
+      }
+      __nv_bfloat16* o = a.out + t * a.out_stride_token + static_cast<int64_t>(h) * a.out_stride_head;
+#pragma unroll
+      for (int j = 0; j < OT; ++j) {
+        const int d = cg * kDimsPerWarp + j * 8 + q4 * 2;
+        *reinterpret_cast<uint32_t*>(o + d) = pack_bf16(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+      }
+      if (cg == 0 && q4 == 0)
+        a.lse[t * a.lse_stride_token + h] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+    } else {
+      const int64_t item = (static_cast<int64_t>(split) * a.num_tokens + t) * a.num_heads + h;
+      float* o = a.part_o + item * kDim;
+#pragma unroll
+      for (int j = 0; j < OT; ++j) {
+        const int d = cg * kDimsPerWarp + j * 8 + q4 * 2;
+        *reinterpret_cast<float2*>(o + d) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+      }
+      if (cg == 0 && q4 == 0) {
+        a.part_m[item] = m;
+        a.part_l[item] = l;
+      }
+    }
+  }
+}
+
+// Merge the split partials of one (token, head) per warp, in split order.
+__global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const KernelArgs a) {
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y * 4 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (h >= a.num_heads) return;
+  const int64_t stride = a.num_tokens * a.num_heads;
+  const int64_t item0 = t * a.num_heads + h;
+  float m = -INFINITY;
+  for (int s = 0; s < a.num_splits; ++s) m = fmaxf(m, a.part_m[item0 + s * stride]);
+  float l = 0.f;
+  float o[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) o[i] = 0.f;
+  if (m != -INFINITY) {
+    for (int s = 0; s < a.num_splits; ++s) {
+      const int64_t item = item0 + s * stride;
+      const float ms = a.part_m[item];
+      if (ms == -INFINITY) continue;
+      const float w = exp2f(ms - m);
+      l += a.part_l[item] * w;
+      const float4* po = reinterpret_cast<const float4*>(a.part_o + item * kDim);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 v = po[lane + 32 * i];
+        o[4 * i + 0] += v.x * w;
+        o[4 * i + 1] += v.y * w;
+        o[4 * i + 2] += v.z * w;
+        o[4 * i + 3] += v.w * w;
+      }
+    }
+  }
+  float inv = 0.f;
+  if (l > 0.f) {
+    float denom = l;
+    if (a.sink != nullptr) denom += exp2f(a.sink[h] * kLog2e - m);
+    inv = 1.f / denom;
+  }
+  __nv_bfloat16* out = a.out + t * a.out_stride_token + static_cast<int64_t>(h) * a.out_stride_head;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int d = 4 * (lane + 32 * i);
+    uint2 v;
+    v.x = pack_bf16(o[4 * i] * inv, o[4 * i + 1] * inv);
+    v.y = pack_bf16(o[4 * i + 2] * inv, o[4 * i + 3] * inv);
+    *reinterpret_cast<uint2*>(out + d) = v;
+  }
+  if (lane == 0) a.lse[t * a.lse_stride_token + h] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+}
+
+int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
+  return num_heads > 32 ? 4 : (num_heads > 16 ? 2 : 1);
+}
+
+template <int R, bool kFp8>
+void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  constexpr int bytes = Smem<R, kFp8>::kBytes;
+  static_assert(bytes <= 227 * 1024, "shared memory budget");
+  auto* kernel = sparse_mla_kernel<R, kFp8>;
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<grid, kThreads, bytes, stream>>>(a);
+}
+
+CacheView view_of(const SparseMlaCache& c) {
+  return CacheView{static_cast<const uint8_t*>(c.data), c.indices, c.indices_stride,
+                   c.block_stride_bytes, static_cast<uint32_t>(c.block_size),
+                   static_cast<int32_t>(c.topk)};
+}
+
+}  // namespace
+
+SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, int64_t total_topk,
+                                       int64_t num_sms) {
+  SparseMlaCudaPlan plan;
+  const int64_t heads_per_cta = 16 * rows_per_cta(num_heads);
+  const int64_t items = num_tokens * ((num_heads + heads_per_cta - 1) / heads_per_cta);
+  const int64_t ntiles = (total_topk + kTileN - 1) / kTileN;
+  int64_t splits = 1;
+  // One CTA per SM (shared memory): split the list only while the grid is under one wave.
+  if (items > 0 && items < num_sms && ntiles > 1)
+    splits = std::min<int64_t>(ntiles, std::max<int64_t>(1, num_sms / items));
+  const int64_t per_split = splits > 0 ? (ntiles + splits - 1) / splits : 0;
+  if (per_split > 0) splits = (ntiles + per_split - 1) / per_split;  // no empty split
+  plan.num_splits = std::max<int64_t>(1, splits);
+  plan.tiles_per_split = std::max<int64_t>(1, per_split);
+  plan.workspace_floats =
+      plan.num_splits > 1 ? plan.num_splits * num_tokens * num_heads * (kDim + 2) : 0;
+  return plan;
+}
+
+void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan& plan,
+                               float* workspace, void* stream) {
+  ZI_CHECK(p.q_dtype == DType::kBFloat16, "sparse_mla_attention_cuda: q must be bfloat16");
+  const bool fp8 = p.kv.dtype == DType::kUInt8;
+  ZI_CHECK(fp8 || p.kv.dtype == DType::kBFloat16,
+           "sparse_mla_attention_cuda: cache must be bfloat16 or the FP8 layout");
+  ZI_CHECK(!p.has_extra || p.extra_kv.dtype == p.kv.dtype,
+           "sparse_mla_attention_cuda: extra cache must have the main cache's format");
+  ZI_CHECK(p.num_heads >= 1 && p.num_tokens >= 0, "sparse_mla_attention_cuda: bad sizes");
+  ZI_CHECK(plan.num_splits == 1 || workspace != nullptr,
+           "sparse_mla_attention_cuda: a split plan needs a workspace");
+  if (p.num_tokens == 0) return;
+  ZI_CHECK(p.kv.topk + (p.has_extra ? p.extra_kv.topk : 0) < (int64_t{1} << 30),
+           "sparse_mla_attention_cuda: index lists too long");
+
+  KernelArgs a{};
+  a.q = static_cast<const __nv_bfloat16*>(p.q);
+  a.q_stride_token = p.q_stride_token;
+  a.q_stride_head = p.q_stride_head;
+  a.kv = view_of(p.kv);
+  if (p.has_extra) {
+    a.extra = view_of(p.extra_kv);
+  } else {
+    a.extra = CacheView{a.kv.data, a.kv.indices, 0, 0, 1, 0};
+  }
+  a.sink = p.attn_sink;
+  a.scale_log2 = p.softmax_scale * kLog2e;
+  a.num_heads = static_cast<int>(p.num_heads);
+  a.num_splits = static_cast<int>(plan.num_splits);
+  a.tiles_per_split = static_cast<int>(plan.tiles_per_split);
+  a.out = static_cast<__nv_bfloat16*>(p.out);
+  a.out_stride_token = p.out_stride_token;
+  a.out_stride_head = p.out_stride_head;
+  a.lse = p.lse;
+  a.lse_stride_token = p.lse_stride_token;
+  a.num_tokens = p.num_tokens;
+  if (plan.num_splits > 1) {
+    const int64_t items = plan.num_splits * p.num_tokens * p.num_heads;
+    a.part_o = workspace;
+    a.part_m = workspace + items * kDim;
+    a.part_l = a.part_m + items;
+  }
+
+  const int R = rows_per_cta(p.num_heads);
+  const int64_t heads_per_cta = 16 * R;
+  dim3 grid(static_cast<unsigned>(p.num_tokens),
+            static_cast<unsigned>((p.num_heads + heads_per_cta - 1) / heads_per_cta),
+            static_cast<unsigned>(plan.num_splits));
+  auto s = static_cast<cudaStream_t>(stream);
+  if (fp8) {
+    if (R == 1) launch<1, true>(a, grid, s);
+    else if (R == 2) launch<2, true>(a, grid, s);
+    else launch<4, true>(a, grid, s);
+  } else {
+    if (R == 1) launch<1, false>(a, grid, s);
+    else if (R == 2) launch<2, false>(a, grid, s);
+    else launch<4, false>(a, grid, s);
+  }
+  ZI_CUDA_CHECK_LAUNCH("sparse_mla_attention");
+  if (plan.num_splits > 1) {
+    dim3 cgrid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>((p.num_heads + 3) / 4));
+    sparse_mla_combine_kernel<<<cgrid, 128, 0, s>>>(a);
+    ZI_CUDA_CHECK_LAUNCH("sparse_mla_combine");
+  }
+}
+
+}  // namespace zi
