@@ -164,46 +164,61 @@ __device__ __forceinline__ int32_t lookup(const KernelArgs& a, int64_t t, int po
   return p2 < a.extra.topk ? a.extra.indices[t * a.extra.stride + p2] : -1;
 }
 
-// Address of the token row of `slot` in cache `c` (FP8: its 576-byte row; bf16: its 1024 bytes).
-template <bool kFp8>
-__device__ __forceinline__ const uint8_t* row_ptr(const CacheView& c, uint32_t slot,
-                                                  const uint8_t** scale_ptr) {
-  const uint32_t blk = slot / c.block_size, off = slot - blk * c.block_size;
-  const uint8_t* base = c.data + static_cast<int64_t>(blk) * c.block_stride;
-  if constexpr (kFp8) {
-    *scale_ptr = base + static_cast<int64_t>(c.block_size) * kFp8Row + off * 8u;
-    return base + static_cast<int64_t>(off) * kFp8Row;
-  } else {
-    *scale_ptr = nullptr;
-    return base + static_cast<int64_t>(off) * kRowBytes;
-  }
+// Where a tile's row lives: resolved once per entry (by threads 0..63, from indices fetched an
+// iteration earlier so their global-memory latency hides behind the previous tile's math) and
+// published in shared memory for all threads' cp.asyncs. row == nullptr: skip (zero-fill).
+struct RowRef {
+  const uint8_t* row;    // FP8: the 576-byte row; bf16: the 1024-byte row
+  const uint8_t* scale;  // FP8: the 8 scale bytes
+};
+
+// Slot of list position `e` of tile `tile` (-1 past the list or the split), and its cache.
+__device__ __forceinline__ void fetch_slot(const KernelArgs& a, int64_t t, int tile, int tile_end,
+                                           int e, int32_t& slot, int& which) {
+  const int pos = tile * kTileN + e;
+  slot = -1;
+  which = 0;
+  if (tile < tile_end && pos < a.kv.topk + a.extra.topk) slot = lookup(a, t, pos, which);
 }
 
-// Issue the cp.asyncs of tile `tile`: FP8 -> raw staging buffer, bf16 -> swizzled tile.
 template <bool kFp8>
-__device__ __forceinline__ void load_tile(const KernelArgs& a, int64_t t, int tile, uint8_t* dst) {
-  const int total = a.kv.topk + a.extra.topk;
+__device__ __forceinline__ RowRef resolve(const KernelArgs& a, int32_t slot, int which) {
+  RowRef r{nullptr, nullptr};
+  if (slot < 0) return r;
+  const CacheView& c = which ? a.extra : a.kv;
+  const uint32_t blk = static_cast<uint32_t>(slot) / c.block_size;
+  const uint32_t off = static_cast<uint32_t>(slot) - blk * c.block_size;
+  const uint8_t* base = c.data + static_cast<int64_t>(blk) * c.block_stride;
+  if constexpr (kFp8) {
+    r.row = base + static_cast<int64_t>(off) * kFp8Row;
+    r.scale = base + static_cast<int64_t>(c.block_size) * kFp8Row + off * 8u;
+  } else {
+    r.row = base + static_cast<int64_t>(off) * kRowBytes;
+  }
+  return r;
+}
+
+// Issue the cp.asyncs of one tile from the published RowRefs: FP8 -> raw staging buffer, bf16 ->
+// swizzled tile. Skipped entries are zero-filled (src-size 0 reads nothing; `dummy` is any valid
+// address, since an empty cache's data pointer may be null).
+template <bool kFp8>
+__device__ __forceinline__ void load_tile(const RowRef* refs, const void* dummy, uint8_t* dst) {
   constexpr int kChunks = kFp8 ? 37 : 64;  // FP8: 36 x 16 B row + one 8 B scale chunk
-  for (int i = threadIdx.x; i < kTileN * kChunks; i += kThreads) {
+#pragma unroll
+  for (int j = 0; j < (kTileN * kChunks + kThreads - 1) / kThreads; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i >= kTileN * kChunks) break;
     const int e = i / kChunks, c = i - e * kChunks;
-    const int pos = tile * kTileN + e;
-    int which = 0;
-    const int32_t slot = pos < total ? lookup(a, t, pos, which) : -1;
-    const bool valid = slot >= 0;
-    const CacheView& cv = which ? a.extra : a.kv;
-    const uint8_t* sp = nullptr;
-    // Zero-filled copies (src-size 0) read nothing; q is a valid address even when a cache is
-    // empty (an empty tensor's data pointer may be null).
-    const uint8_t* dummy = reinterpret_cast<const uint8_t*>(a.q);
-    const uint8_t* rp = valid ? row_ptr<kFp8>(cv, static_cast<uint32_t>(slot), &sp) : dummy;
+    const RowRef r = refs[e];
+    const bool valid = r.row != nullptr;
     if constexpr (kFp8) {
       if (c < 36) {
-        cp_async16(smem_u32(dst + e * kFp8Row + c * 16), rp + c * 16, valid);
+        cp_async16(smem_u32(dst + e * kFp8Row + c * 16), valid ? r.row + c * 16 : dummy, valid);
       } else {
-        cp_async8(smem_u32(dst + kTileN * kFp8Row + e * 8), valid ? sp : dummy, valid);
+        cp_async8(smem_u32(dst + kTileN * kFp8Row + e * 8), valid ? r.scale : dummy, valid);
       }
     } else {
-      cp_async16(smem_u32(dst) + swz(e, c), rp + c * 16, valid);
+      cp_async16(smem_u32(dst) + swz(e, c), valid ? r.row + c * 16 : dummy, valid);
     }
   }
 }
@@ -231,14 +246,17 @@ template <int R, bool kFp8>
 struct Smem {
   static constexpr int kHeads = 16 * R;
   static constexpr int kC = 8 / R;
-  static constexpr int kStages = kFp8 ? (R == 4 ? 2 : 3) : 0;
+  // Pipeline depth: FP8 stages raw tiles (one bf16 tile); bf16 double-buffers the tile itself.
+  static constexpr int kStages = kFp8 ? (R == 4 ? 2 : 3) : 2;
   static constexpr int kTiles = kFp8 ? 1 : 2;
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kHeads * kRowBytes;
   static constexpr int kStage = kK + kTiles * kTileN * kRowBytes;
-  static constexpr int kP = kStage + kStages * kStageBytes;
+  static constexpr int kP = kStage + (kFp8 ? kStages * kStageBytes : 0);
   static constexpr int kRed = kP + kHeads * kTileN * 2;        // [2][R][16][C] floats
-  static constexpr int kBytes = kRed + 2 * R * 16 * kC * 4;
+  static constexpr int kRefs = kRed + 2 * R * 16 * kC * 4;     // [64] RowRef
+  static constexpr int kValid = kRefs + kTileN * 16;           // [kStages][64] int
+  static constexpr int kBytes = kValid + kStages * kTileN * 4;
 };
 
 template <int R, bool kFp8>
@@ -278,17 +296,35 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_kernel(const KernelArg
     cp_async16(smem_u32(sQ) + swz(r, c), src, valid);
   }
 
-  // Pipeline prologue (the Q copies join the first group).
-  if constexpr (kFp8) {
+  // Pipeline. Tile `it` of this split lives in stage it % kStages (FP8: raw staging buffer;
+  // bf16: the tile buffer itself); its validity flags in sValid[stage]. Threads 0..63 own one
+  // list entry each: they fetch the slots of a tile one iteration before its copies are issued.
+  RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
+  int* sValid = reinterpret_cast<int*>(smem + S::kValid);
+  auto stage_ptr = [&](int stage) {
+    return kFp8 ? smem + S::kStage + stage * kStageBytes : sK + stage * kTileN * kRowBytes;
+  };
+  const bool owner = threadIdx.x < kTileN;
+  auto publish = [&](int32_t slot, int which, int stage) {
+    sRefs[threadIdx.x] = resolve<kFp8>(a, slot, which);
+    sValid[stage * kTileN + threadIdx.x] = slot >= 0;
+  };
+  int32_t pf_slot = -1;
+  int pf_which = 0;
+  // Prologue: tiles 0 .. kStages-2 (the Q copies join the first group).
 #pragma unroll
-    for (int s = 0; s < S::kStages - 1; ++s) {
-      if (s < n) load_tile<true>(a, t, tile_begin + s, smem + S::kStage + s * kStageBytes);
-      cp_async_commit();
+  for (int st = 0; st < S::kStages - 1; ++st) {
+    if (owner) {
+      fetch_slot(a, t, tile_begin + st, tile_end, threadIdx.x, pf_slot, pf_which);
+      publish(pf_slot, pf_which, st);
     }
-  } else {
-    if (n > 0) load_tile<false>(a, t, tile_begin, sK);
+    __syncthreads();
+    if (st < n) load_tile<kFp8>(sRefs, a.q, stage_ptr(st));
     cp_async_commit();
+    __syncthreads();  // sRefs is reused by the next prologue tile
   }
+  if (owner)
+    fetch_slot(a, t, tile_begin + S::kStages - 1, tile_end, threadIdx.x, pf_slot, pf_which);
 
   float acc[OT][4];
 #pragma unroll
@@ -300,26 +336,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_kernel(const KernelArg
   const uint32_t p_base = smem_u32(sP);
 
   for (int it = 0; it < n; ++it) {
-    const int tile = tile_begin + it;
-    uint8_t* kt;
-    if constexpr (kFp8) {
-      const int next = it + S::kStages - 1;
-      if (next < n)
-        load_tile<true>(a, t, tile_begin + next,
-                        smem + S::kStage + (next % S::kStages) * kStageBytes);
-      cp_async_commit();
-      cp_async_wait<S::kStages - 1>();
-      __syncthreads();  // staging tile `it` landed; everyone is done with the bf16 tile
-      dequant_tile(smem + S::kStage + (it % S::kStages) * kStageBytes, sK);
-      __syncthreads();
-      kt = sK;
-    } else {
-      if (it + 1 < n) load_tile<false>(a, t, tile + 1, sK + ((it + 1) & 1) * kTileN * kRowBytes);
-      cp_async_commit();
-      cp_async_wait<1>();
-      __syncthreads();
-      kt = sK + (it & 1) * kTileN * kRowBytes;
+    const int stage = it % S::kStages;
+    cp_async_wait<S::kStages - 2>();  // tile `it` (and Q) landed for this thread's copies
+    __syncthreads();  // ... and everyone's; all warps are done with tile it-1
+    uint8_t* kt = kFp8 ? sK : stage_ptr(stage);
+    if constexpr (kFp8) dequant_tile(stage_ptr(stage), sK);
+    const int ahead = it + S::kStages - 1;  // the tile whose copies are issued now
+    if (owner) {
+      publish(pf_slot, pf_which, ahead % S::kStages);
+      fetch_slot(a, t, tile_begin + ahead + 1, tile_end, threadIdx.x, pf_slot, pf_which);
     }
+    __syncthreads();  // bf16 tile ready (FP8), sRefs published
+    if (ahead < n) load_tile<kFp8>(sRefs, a.q, stage_ptr(ahead % S::kStages));
+    cp_async_commit();
+    const int* valid_flags = sValid + stage * kTileN;
     const uint32_t k_base = smem_u32(kt);
 
     // ---- S = Q K^T over this warp's entries --------------------------------------------
@@ -354,9 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_kernel(const KernelArg
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
-        const int pos = tile * kTileN + n0 + j * 8 + q4 * 2 + x;
-        int which;
-        const bool valid = pos < total && lookup(a, t, pos, which) >= 0;
+        const bool valid = valid_flags[n0 + j * 8 + q4 * 2 + x] != 0;
         s[j][x] = valid ? s[j][x] * a.scale_log2 : -INFINITY;
         s[j][2 + x] = valid ? s[j][2 + x] * a.scale_log2 : -INFINITY;
         mx[0] = fmaxf(mx[0], s[j][x]);
@@ -439,7 +467,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_kernel(const KernelArg
         mma_bf16(acc[j + 1], a0, a1, a2, a3, b2, b3);
       }
     }
-    if constexpr (!kFp8) __syncthreads();  // the next load overwrites the other buffer's twin
   }
   cp_async_wait<0>();
 
