@@ -3,10 +3,10 @@
 // LSE. Decode and prefill are the same kernel: every query token has its own list, so the work
 // item is (token, group of heads, split of the list).
 //
-// One CTA = 8 warps = 16*R query heads of one token (R = 1, 2 or 4 row groups of 16 heads) over
+// One CTA = 8 or 16 warps over 16*R query heads of one token (R = 1, 2 or 4 row groups of 16 heads) over
 // tiles of kTileN = 64 list entries. The 64 KV rows of a tile are gathered by cp.async (FP8: into
 // a raw staging ring, then dequantised ONCE per CTA into a bf16 tile shared by all its heads;
-// bf16: straight into a double-buffered tile). Warps are arranged R x C (C = 8 / R):
+// bf16: straight into a double-buffered tile). Warps are arranged R x C (C = warps / R):
 //   S = Q K^T   warp (rg, cg) computes heads rg*16.. over entries cg*(64/C).. (all 512 dims),
 //   softmax     row maxima exchanged through shared memory within the row group,
 //   O += P V    P goes through shared memory; warp (rg, cg) owns output dims cg*(512/C)..
@@ -33,7 +33,9 @@ namespace {
 
 constexpr int kDim = 512;
 constexpr int kTileN = 64;                       // list entries per tile
-constexpr int kThreads = 256;                    // 8 warps
+// Warps per CTA: 8 for one row group of 16 heads, 16 otherwise (more warps in flight hide the
+// ldmatrix/mma/dequantisation latencies of a CTA that owns a whole SM's shared memory).
+constexpr int warps_for(int R) { return R == 1 ? 8 : 16; }
 constexpr int kRowBytes = kDim * 2;              // one bf16 row in shared memory (64 chunks)
 constexpr int kFp8Row = 576;                     // 448 e4m3 + 64 bf16
 constexpr int kStageBytes = kTileN * kFp8Row + kTileN * 8;  // raw FP8 tile + its scales
@@ -201,10 +203,10 @@ __device__ __forceinline__ RowRef resolve(const KernelArgs& a, int32_t slot, int
 // Issue the cp.asyncs of one tile from the published RowRefs: FP8 -> raw staging buffer, bf16 ->
 // swizzled tile. Skipped entries are zero-filled (src-size 0 reads nothing; `dummy` is any valid
 // address, since an empty cache's data pointer may be null).
-template <bool kFp8>
+template <bool kFp8, int kThreads>
 __device__ __forceinline__ void load_tile(const RowRef* refs, const void* dummy, uint8_t* dst) {
   constexpr int kChunks = kFp8 ? 37 : 64;  // FP8: 36 x 16 B row + one 8 B scale chunk
-#pragma unroll
+#pragma unroll 4
   for (int j = 0; j < (kTileN * kChunks + kThreads - 1) / kThreads; ++j) {
     const int i = threadIdx.x + j * kThreads;
     if (i >= kTileN * kChunks) break;
@@ -224,10 +226,12 @@ __device__ __forceinline__ void load_tile(const RowRef* refs, const void* dummy,
 }
 
 // Raw FP8 staging tile -> swizzled bf16 tile (zero-filled rows stay zero).
+template <int kThreads>
 __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint8_t* tile) {
   const uint8_t* scales = stage + kTileN * kFp8Row;
-#pragma unroll 4
-  for (int i = threadIdx.x; i < kTileN * 64; i += kThreads) {
+#pragma unroll
+  for (int j = 0; j < kTileN * 64 / kThreads; ++j) {
+    const int i = threadIdx.x + j * kThreads;
     const int e = i >> 6, c = i & 63;
     uint4 v;
     if (c < 56) {
@@ -245,7 +249,8 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint8_t* tile
 template <int R, bool kFp8>
 struct Smem {
   static constexpr int kHeads = 16 * R;
-  static constexpr int kC = 8 / R;
+  static constexpr int kThreads = warps_for(R) * 32;
+  static constexpr int kC = warps_for(R) / R;
   // Pipeline depth: FP8 stages raw tiles (one bf16 tile); bf16 double-buffers the tile itself.
   static constexpr int kStages = kFp8 ? (R == 4 ? 2 : 3) : 2;
   static constexpr int kTiles = kFp8 ? 1 : 2;
@@ -260,9 +265,11 @@ struct Smem {
 };
 
 template <int R, bool kFp8>
-__global__ void __launch_bounds__(kThreads, 1) sparse_mla_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
+    sparse_mla_kernel(const KernelArgs a) {
   using S = Smem<R, kFp8>;
   constexpr int C = S::kC;
+  constexpr int kThreads = S::kThreads;
   constexpr int kEntriesPerWarp = kTileN / C;   // S columns of one warp: 8, 16 or 32
   constexpr int NT = kEntriesPerWarp / 8;       // n8 tiles of S per warp
   constexpr int kDimsPerWarp = kDim / C;        // O columns of one warp
@@ -319,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_kernel(const KernelArg
       publish(pf_slot, pf_which, st);
     }
     __syncthreads();
-    if (st < n) load_tile<kFp8>(sRefs, a.q, stage_ptr(st));
+    if (st < n) load_tile<kFp8, kThreads>(sRefs, a.q, stage_ptr(st));
     cp_async_commit();
     __syncthreads();  // sRefs is reused by the next prologue tile
   }
@@ -340,43 +347,62 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_kernel(const KernelArg
     cp_async_wait<S::kStages - 2>();  // tile `it` (and Q) landed for this thread's copies
     __syncthreads();  // ... and everyone's; all warps are done with tile it-1
     uint8_t* kt = kFp8 ? sK : stage_ptr(stage);
-    if constexpr (kFp8) dequant_tile(stage_ptr(stage), sK);
+    if constexpr (kFp8) dequant_tile<kThreads>(stage_ptr(stage), sK);
     const int ahead = it + S::kStages - 1;  // the tile whose copies are issued now
     if (owner) {
       publish(pf_slot, pf_which, ahead % S::kStages);
       fetch_slot(a, t, tile_begin + ahead + 1, tile_end, threadIdx.x, pf_slot, pf_which);
     }
     __syncthreads();  // bf16 tile ready (FP8), sRefs published
-    if (ahead < n) load_tile<kFp8>(sRefs, a.q, stage_ptr(ahead % S::kStages));
+    if (ahead < n) load_tile<kFp8, kThreads>(sRefs, a.q, stage_ptr(ahead % S::kStages));
     cp_async_commit();
     const int* valid_flags = sValid + stage * kTileN;
     const uint32_t k_base = smem_u32(kt);
 
     // ---- S = Q K^T over this warp's entries --------------------------------------------
-    float s[NT][4];
+    // kAcc independent accumulator sets over k break the mma dependency chain when a warp has
+    // few n8 tiles (one chain per tile otherwise).
+    constexpr int kAcc = NT >= 4 ? 1 : 4 / NT;
+    float sa[kAcc][NT][4];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int u = 0; u < kAcc; ++u)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) sa[u][j][0] = sa[u][j][1] = sa[u][j][2] = sa[u][j][3] = 0.f;
     const int n0 = cg * kEntriesPerWarp;
-#pragma unroll 4
-    for (int kk = 0; kk < kDim / 16; ++kk) {
-      uint32_t a0, a1, a2, a3;
-      ldsm_x4(q_base + swz(rg * 16 + (lane & 15), 2 * kk + (lane >> 4)), a0, a1, a2, a3);
-      if constexpr (NT == 1) {
-        uint32_t b0, b1;
-        ldsm_x2(k_base + swz(n0 + (lane & 7), 2 * kk + ((lane >> 3) & 1)), b0, b1);
-        mma_bf16(s[0], a0, a1, a2, a3, b0, b1);
-      } else {
+#pragma unroll 2
+    for (int k0 = 0; k0 < kDim / 16; k0 += kAcc) {
 #pragma unroll
-        for (int j = 0; j < NT; j += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4(k_base + swz(n0 + j * 8 + (lane & 7) + ((lane >> 4) << 3),
-                               2 * kk + ((lane >> 3) & 1)),
-                  b0, b1, b2, b3);
-          mma_bf16(s[j], a0, a1, a2, a3, b0, b1);
-          mma_bf16(s[j + 1], a0, a1, a2, a3, b2, b3);
+      for (int u = 0; u < kAcc; ++u) {
+        const int kk = k0 + u;
+        uint32_t a0, a1, a2, a3;
+        ldsm_x4(q_base + swz(rg * 16 + (lane & 15), 2 * kk + (lane >> 4)), a0, a1, a2, a3);
+        if constexpr (NT == 1) {
+          uint32_t b0, b1;
+          ldsm_x2(k_base + swz(n0 + (lane & 7), 2 * kk + ((lane >> 3) & 1)), b0, b1);
+          mma_bf16(sa[u][0], a0, a1, a2, a3, b0, b1);
+        } else {
+#pragma unroll
+          for (int j = 0; j < NT; j += 2) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4(k_base + swz(n0 + j * 8 + (lane & 7) + ((lane >> 4) << 3),
+                                 2 * kk + ((lane >> 3) & 1)),
+                    b0, b1, b2, b3);
+            mma_bf16(sa[u][j], a0, a1, a2, a3, b0, b1);
+            mma_bf16(sa[u][j + 1], a0, a1, a2, a3, b2, b3);
+          }
         }
       }
     }
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        float v = sa[0][j][x];
+#pragma unroll
+        for (int u = 1; u < kAcc; ++u) v += sa[u][j][x];
+        s[j][x] = v;
+      }
 
     // ---- mask, scale, tile maxima ---------------------------------------------------------
     float mx[2] = {-INFINITY, -INFINITY};
@@ -588,7 +614,7 @@ void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   static_assert(bytes <= 227 * 1024, "shared memory budget");
   auto* kernel = sparse_mla_kernel<R, kFp8>;
   ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  kernel<<<grid, kThreads, bytes, stream>>>(a);
+  kernel<<<grid, Smem<R, kFp8>::kThreads, bytes, stream>>>(a);
 }
 
 CacheView view_of(const SparseMlaCache& c) {
