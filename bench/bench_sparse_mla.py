@@ -127,7 +127,7 @@ def main() -> None:
     if cuda:
         cases = cuda_cases()
         ceilings = bench.measure_cuda_ceilings()
-        timer = bench.time_cuda
+        timer = bench.time_cuda_graph  # device time (eager Python overhead reported apart)
     else:
         cases = [(T, H, fmt, False, 1) for fmt in ("fp8", "bf16") for H in (64, 16)
                  for T in (1, 8, 32)]
@@ -145,12 +145,15 @@ def main() -> None:
         reps = 10 if T * H <= 2048 else 3
         kw = dict(reps=reps, warmup=1) if not cuda else {}
         t_ours = timer(lambda: sparse_mla_attention(**a, out=out, lse=lse), **kw)
+        t_eager = None
+        if cuda:
+            t_eager = bench.time_cuda(lambda: sparse_mla_attention(**a, out=out, lse=lse))
         t_torch, torch_threads = None, 0
         if T * H * K <= 256 * 64 * 640:  # the torch path gathers [T, K, 512] float32 keys
             ref_out, ref_lse = torch.empty_like(out), torch.empty_like(lse)
             torch_fn = lambda: _sparse_mla_torch(**a, out=ref_out, lse=ref_lse)  # noqa: E731
             if cuda:
-                t_torch = timer(torch_fn)
+                t_torch = bench.time_cuda(torch_fn)
             else:
                 t_torch, torch_threads = time_torch_cpu(torch_fn, **kw)
         nbytes, flops = bytes_and_flops(T, H, K, fmt, distinct if cuda else None)
@@ -159,6 +162,7 @@ def main() -> None:
                "topk": TOPK, "distinct_rows": distinct,
                **bench.roofline_row(seconds=t_ours, bytes_moved=nbytes, flops=flops,
                                     ceilings=ceilings),
+               "eager_call_us": None if t_eager is None else t_eager * 1e6,
                "torch_us": None if t_torch is None else t_torch * 1e6,
                "speedup_vs_torch": None if t_torch is None else t_torch / t_ours}
         if cuda:
@@ -174,7 +178,8 @@ def main() -> None:
     cols = ["mode", "batch", "s_q", "heads", "cache", "time_us"]
     cols += ["floor_us", "fraction_of_floor", "bound", "gbps", "tflops"] if cuda else ["gbps",
                                                                                        "gflops"]
-    cols += ["torch_us", "speedup_vs_torch"] + ([] if cuda else ["torch_threads"])
+    cols += (["eager_call_us"] if cuda else []) + ["torch_us", "speedup_vs_torch"]
+    cols += [] if cuda else ["torch_threads"]
     bench.print_table(rows, cols)
     family = "sparse_mla" if cuda else "sparse_mla_cpu"
     baseline = ("_sparse_mla_torch: gather + dequant, float32 einsum, softmax with sink (the "
@@ -184,6 +189,11 @@ def main() -> None:
     path = bench.write_results(family, rows, device=dev,
                                extra={"ceilings": ceilings, "torch_baseline": baseline,
                                       "bytes_counted": bytes_note,
+                                      "timing": "time_us: CUDA-graph replay of the op (device "
+                                      "time), L2 flushed before each call; eager_call_us: the "
+                                      "same op called from Python (host overhead included); "
+                                      "torch_us: the torch path called eagerly" if cuda else
+                                      "median wall time",
                                       "threads": _C.num_threads(),
                                       # other work on a shared machine skews CPU numbers
                                       "load_average_1_5_15": list(os.getloadavg())},

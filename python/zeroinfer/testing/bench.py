@@ -96,6 +96,19 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
 
 
+def time_cuda_graph(fn: Callable[[], object], **kw) -> float:
+    """time_cuda of fn() captured once in a CUDA graph and replayed: the device time of the
+    launch sequence without Python's per-call overhead (which, for calls of tens of µs, would
+    otherwise show up as idle time between the events). fn must be graph-capturable (no host
+    sync) and write into preallocated outputs."""
+    fn()  # warm-up outside the capture (one-time allocations, kernel attribute set-up)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_cuda(graph.replay, **kw)
+
+
 def measure_cuda_ceilings() -> dict[str, float]:
     """Measured in this run: device-to-device copy bandwidth (bytes read + written per second)
     and dense bf16 matmul rate on random data, the ceilings the roofline fractions use."""
@@ -107,7 +120,7 @@ def measure_cuda_ceilings() -> dict[str, float]:
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     t_mm = time_cuda(lambda: a @ b, warmup=3, reps=20, flush_l2=False)
-    del src, dst, a, b
+    src = dst = a = b = None  # free the buffers before the benchmark proper
     return {"hbm_bytes_per_s": 2 * n / t_copy, "bf16_flops_per_s": 2 * m**3 / t_mm}
 
 
