@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "check.cuh"
+#include "wgmma.cuh"
 #include "zeroinfer/sparse_mla.h"
 
 namespace zi {
@@ -35,16 +36,22 @@ constexpr int kDim = 512;
 constexpr int kTileN = 64;                       // list entries per tile
 // Warps per CTA: 8 for one row group of 16 heads, 16 otherwise (more warps in flight hide the
 // ldmatrix/mma/dequantisation latencies of a CTA that owns a whole SM's shared memory).
-constexpr int warps_for(int R) { return R == 1 ? 8 : 16; }
+// 64 heads (R = 4) run on wgmma with two warpgroups (one per half of the entries in S = QK^T,
+// one per half of the output dims in O = PV).
+constexpr int warps_for(int R) { return R == 2 ? 16 : 8; }
 constexpr int kRowBytes = kDim * 2;              // one bf16 row in shared memory (64 chunks)
 constexpr int kFp8Row = 576;                     // 448 e4m3 + 64 bf16
 constexpr int kStageBytes = kTileN * kFp8Row + kTileN * 8;  // raw FP8 tile + its scales
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Byte offset of 16-byte chunk `c` of row `r` in a swizzled tile of 1024-byte rows.
+// Byte offset of 16-byte chunk `c` (0..63) of row `r` in a tile of kRows rows of 512 bf16: eight
+// 64-column panels of kRows x 128 bytes, chunk c % 8 of a row stored at (c % 8) ^ (r % 8). This
+// is the canonical 128-byte-swizzled wgmma layout (K-major for Q and K, N-major for V), and it
+// keeps ldmatrix conflict-free: eight rows at one chunk hit eight different bank groups.
+template <int kRows>
 __device__ __forceinline__ uint32_t swz(int r, int c) {
-  return static_cast<uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
+  return static_cast<uint32_t>((c >> 3) * (kRows * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -220,7 +227,7 @@ __device__ __forceinline__ void load_tile(const RowRef* refs, const void* dummy,
         cp_async8(smem_u32(dst + kTileN * kFp8Row + e * 8), valid ? r.scale : dummy, valid);
       }
     } else {
-      cp_async16(smem_u32(dst) + swz(e, c), valid ? r.row + c * 16 : dummy, valid);
+      cp_async16(smem_u32(dst) + swz<kTileN>(e, c), valid ? r.row + c * 16 : dummy, valid);
     }
   }
 }
@@ -242,7 +249,7 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint8_t* tile
     } else {
       v = *reinterpret_cast<const uint4*>(stage + e * kFp8Row + 448 + (c - 56) * 16);
     }
-    *reinterpret_cast<uint4*>(tile + swz(e, c)) = v;
+    *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, c)) = v;
   }
 }
 
@@ -262,6 +269,9 @@ struct Smem {
   static constexpr int kRefs = kRed + 2 * R * 16 * kC * 4;     // [64] RowRef
   static constexpr int kValid = kRefs + kTileN * 16;           // [kStages][64] int
   static constexpr int kBytes = kValid + kStages * kTileN * 4;
+  static constexpr int kAlloc = kBytes + 1024;  // slack to align the base to 1024 bytes
+  static_assert(R != 4 || (kK % 1024 == 0 && kStage % 1024 == 0 && kP % 1024 == 0),
+                "wgmma operands must start on 1024-byte boundaries");
 };
 
 template <int R, bool kFp8>
@@ -275,7 +285,10 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
   constexpr int kDimsPerWarp = kDim / C;        // O columns of one warp
   constexpr int OT = kDimsPerWarp / 8;          // n8 tiles of O per warp
 
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // The 128-byte swizzle is a function of address bits, so operand tiles sit on 1024-byte
+  // boundaries of the shared window.
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   uint8_t* sQ = smem + S::kQ;
   uint8_t* sK = smem + S::kK;
   uint8_t* sP = smem + S::kP;
@@ -285,7 +298,9 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
   const int head0 = blockIdx.y * S::kHeads;
   const int split = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rg = warp / C, cg = warp % C;
+  constexpr bool kWgmma = R == 4;
+  // wgmma: warpgroup cg = warp / 4 holds all 64 rows, warp rg = warp % 4 rows 16 rg.. of them.
+  const int rg = kWgmma ? warp & 3 : warp / C, cg = kWgmma ? warp >> 2 : warp % C;
   const int g = lane >> 2, q4 = lane & 3;
 
   const int total = a.kv.topk + a.extra.topk;
@@ -300,7 +315,7 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
     const bool valid = h < a.num_heads;
     const __nv_bfloat16* src =
         a.q + t * a.q_stride_token + static_cast<int64_t>(valid ? h : 0) * a.q_stride_head + c * 8;
-    cp_async16(smem_u32(sQ) + swz(r, c), src, valid);
+    cp_async16(smem_u32(sQ) + swz<S::kHeads>(r, c), src, valid);
   }
 
   // Pipeline. Tile `it` of this split lives in stage it % kStages (FP8: raw staging buffer;
@@ -345,9 +360,13 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
   for (int it = 0; it < n; ++it) {
     const int stage = it % S::kStages;
     cp_async_wait<S::kStages - 2>();  // tile `it` (and Q) landed for this thread's copies
+    if constexpr (kWgmma) wgmma::fence_proxy_async();  // cp.async data -> tensor-core reads
     __syncthreads();  // ... and everyone's; all warps are done with tile it-1
     uint8_t* kt = kFp8 ? sK : stage_ptr(stage);
-    if constexpr (kFp8) dequant_tile<kThreads>(stage_ptr(stage), sK);
+    if constexpr (kFp8) {
+      dequant_tile<kThreads>(stage_ptr(stage), sK);
+      if constexpr (kWgmma) wgmma::fence_proxy_async();
+    }
     const int ahead = it + S::kStages - 1;  // the tile whose copies are issued now
     if (owner) {
       publish(pf_slot, pf_which, ahead % S::kStages);
@@ -360,49 +379,65 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
     const uint32_t k_base = smem_u32(kt);
 
     // ---- S = Q K^T over this warp's entries --------------------------------------------
-    // kAcc independent accumulator sets over k break the mma dependency chain when a warp has
-    // few n8 tiles (one chain per tile otherwise).
-    constexpr int kAcc = NT >= 4 ? 1 : 4 / NT;
-    float sa[kAcc][NT][4];
-#pragma unroll
-    for (int u = 0; u < kAcc; ++u)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) sa[u][j][0] = sa[u][j][1] = sa[u][j][2] = sa[u][j][3] = 0.f;
+    float s[NT][4];
     const int n0 = cg * kEntriesPerWarp;
+    if constexpr (kWgmma) {
+      // Warpgroup cg: S[64 heads, 32 entries] over 32 k-steps; Q and K both K-major.
+      float(&sd)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s[0][0]);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kDim / 16; ++kk) {
+        const uint32_t koff = (kk >> 2) * (kTileN * 128) + (kk & 3) * 32;
+        const uint64_t da =
+            wgmma::desc_sw128(q_base + (kk >> 2) * (S::kHeads * 128) + (kk & 3) * 32, 16, 1024);
+        const uint64_t db = wgmma::desc_sw128(k_base + koff + n0 * 128, 16, 1024);
+        wgmma::wgmma_m64n32k16_bf16(sd, da, db, kk > 0);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+    } else {
+      // kAcc independent accumulator sets over k break the mma dependency chain when a warp has
+      // few n8 tiles (one chain per tile otherwise).
+      constexpr int kAcc = NT >= 4 ? 1 : 4 / NT;
+      float sa[kAcc][NT][4];
+#pragma unroll
+      for (int u = 0; u < kAcc; ++u)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) sa[u][j][0] = sa[u][j][1] = sa[u][j][2] = sa[u][j][3] = 0.f;
 #pragma unroll 2
-    for (int k0 = 0; k0 < kDim / 16; k0 += kAcc) {
+      for (int k0 = 0; k0 < kDim / 16; k0 += kAcc) {
 #pragma unroll
-      for (int u = 0; u < kAcc; ++u) {
-        const int kk = k0 + u;
-        uint32_t a0, a1, a2, a3;
-        ldsm_x4(q_base + swz(rg * 16 + (lane & 15), 2 * kk + (lane >> 4)), a0, a1, a2, a3);
-        if constexpr (NT == 1) {
-          uint32_t b0, b1;
-          ldsm_x2(k_base + swz(n0 + (lane & 7), 2 * kk + ((lane >> 3) & 1)), b0, b1);
-          mma_bf16(sa[u][0], a0, a1, a2, a3, b0, b1);
-        } else {
+        for (int u = 0; u < kAcc; ++u) {
+          const int kk = k0 + u;
+          uint32_t a0, a1, a2, a3;
+          ldsm_x4(q_base + swz<S::kHeads>(rg * 16 + (lane & 15), 2 * kk + (lane >> 4)), a0, a1, a2, a3);
+          if constexpr (NT == 1) {
+            uint32_t b0, b1;
+            ldsm_x2(k_base + swz<kTileN>(n0 + (lane & 7), 2 * kk + ((lane >> 3) & 1)), b0, b1);
+            mma_bf16(sa[u][0], a0, a1, a2, a3, b0, b1);
+          } else {
 #pragma unroll
-          for (int j = 0; j < NT; j += 2) {
-            uint32_t b0, b1, b2, b3;
-            ldsm_x4(k_base + swz(n0 + j * 8 + (lane & 7) + ((lane >> 4) << 3),
-                                 2 * kk + ((lane >> 3) & 1)),
-                    b0, b1, b2, b3);
-            mma_bf16(sa[u][j], a0, a1, a2, a3, b0, b1);
-            mma_bf16(sa[u][j + 1], a0, a1, a2, a3, b2, b3);
+            for (int j = 0; j < NT; j += 2) {
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4(k_base + swz<kTileN>(n0 + j * 8 + (lane & 7) + ((lane >> 4) << 3),
+                                   2 * kk + ((lane >> 3) & 1)),
+                      b0, b1, b2, b3);
+              mma_bf16(sa[u][j], a0, a1, a2, a3, b0, b1);
+              mma_bf16(sa[u][j + 1], a0, a1, a2, a3, b2, b3);
+            }
           }
         }
       }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          float v = sa[0][j][x];
+#pragma unroll
+          for (int u = 1; u < kAcc; ++u) v += sa[u][j][x];
+          s[j][x] = v;
+        }
     }
-    float s[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        float v = sa[0][j][x];
-#pragma unroll
-        for (int u = 1; u < kAcc; ++u) v += sa[u][j][x];
-        s[j][x] = v;
-      }
 
     // ---- mask, scale, tile maxima ---------------------------------------------------------
     float mx[2] = {-INFINITY, -INFINITY};
@@ -472,25 +507,48 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
       acc[j][2] *= alpha[1];
       acc[j][3] *= alpha[1];
     }
-    row_group_sync<C>(rg);
+    if constexpr (kWgmma) {
+      wgmma::fence_proxy_async();  // P (ordinary stores) -> tensor-core reads
+      __syncthreads();             // each warpgroup reads all 64 rows of P
+    } else {
+      row_group_sync<C>(rg);
+    }
 
     // ---- O += P V over this warp's output dims ---------------------------------------------
-    const int d0 = cg * kDimsPerWarp / 8;  // first 16-byte chunk of this warp's dims
+    if constexpr (kWgmma) {
+      // Warpgroup cg: O[64 heads, dims 256 cg ..+256] in two N=128 halves; P K-major, V N-major
+      // (the K tile read with dims contiguous: 64-dim panels 8 KB apart, 8-entry groups 1 KB).
+      wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < kTileN / 16; ++ks) {
-      uint32_t a0, a1, a2, a3;
-      {
-        const int row = rg * 16 + (lane & 15), ch = 2 * ks + (lane >> 4);
-        ldsm_x4(p_base + row * 128 + ((ch ^ (row & 7)) << 4), a0, a1, a2, a3);
+      for (int ks = 0; ks < kTileN / 16; ++ks) {
+        const uint64_t da = wgmma::desc_sw128(p_base + ks * 32, 16, 1024);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float(&od)[64] = reinterpret_cast<float(&)[64]>(acc[half * 16][0]);
+          const uint32_t v = k_base + (cg * 4 + half * 2) * (kTileN * 128) + ks * 16 * 128;
+          wgmma::wgmma_m64n128k16_bf16_tb(od, da, wgmma::desc_sw128(v, kTileN * 128, 1024), true);
+        }
       }
+      wgmma::commit();
+      wgmma::wait<0>();
+    } else {
+      const int d0 = cg * kDimsPerWarp / 8;  // first 16-byte chunk of this warp's dims
 #pragma unroll
-      for (int j = 0; j < OT; j += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_t(k_base + swz(ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
-                               d0 + j + (lane >> 4)),
-                  b0, b1, b2, b3);
-        mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
-        mma_bf16(acc[j + 1], a0, a1, a2, a3, b2, b3);
+      for (int ks = 0; ks < kTileN / 16; ++ks) {
+        uint32_t a0, a1, a2, a3;
+        {
+          const int row = rg * 16 + (lane & 15), ch = 2 * ks + (lane >> 4);
+          ldsm_x4(p_base + row * 128 + ((ch ^ (row & 7)) << 4), a0, a1, a2, a3);
+        }
+#pragma unroll
+        for (int j = 0; j < OT; j += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(k_base + swz<kTileN>(ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                 d0 + j + (lane >> 4)),
+                    b0, b1, b2, b3);
+          mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
+          mma_bf16(acc[j + 1], a0, a1, a2, a3, b2, b3);
+        }
       }
     }
   }
@@ -610,7 +668,7 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
 
 template <int R, bool kFp8>
 void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = Smem<R, kFp8>::kBytes;
+  constexpr int bytes = Smem<R, kFp8>::kAlloc;
   static_assert(bytes <= 227 * 1024, "shared memory budget");
   auto* kernel = sparse_mla_kernel<R, kFp8>;
   ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
