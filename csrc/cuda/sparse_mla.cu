@@ -253,6 +253,154 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint8_t* tile
   }
 }
 
+// One tile's online-softmax step for a warp holding S rows rg*16 + g (+8) over entries n0..:
+// mask skipped entries, exchange row maxima with the other C-1 warps of the row group through
+// `red` ([16 R][C] floats, double-buffered by the caller), rescale the running max/sum, and
+// write P = exp2(s - m) as bf16 into the swizzled P tile. Returns the O rescale factors.
+template <int NT, int C>
+__device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid_flags, int n0,
+                                             float* red, uint8_t* sP, int rg, int cg, int g,
+                                             int q4, float scale_log2, float (&m_run)[2],
+                                             float (&l_run)[2], float (&alpha)[2]) {
+  // ---- mask, scale, tile maxima ---------------------------------------------------------
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const bool valid = valid_flags[n0 + j * 8 + q4 * 2 + x] != 0;
+      s[j][x] = valid ? s[j][x] * scale_log2 : -INFINITY;
+      s[j][2 + x] = valid ? s[j][2 + x] * scale_log2 : -INFINITY;
+      mx[0] = fmaxf(mx[0], s[j][x]);
+      mx[1] = fmaxf(mx[1], s[j][2 + x]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+  }
+  if constexpr (C > 1) {
+    if (q4 == 0) {
+      red[(rg * 16 + g) * C + cg] = mx[0];
+      red[(rg * 16 + g + 8) * C + cg] = mx[1];
+    }
+    row_group_sync<C>(rg);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < C; ++c) m = fmaxf(m, red[(rg * 16 + g + 8 * r) * C + c]);
+      mx[r] = m;
+    }
+  }
+  float m_new[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m_new[r] = fmaxf(m_run[r], mx[r]);
+    alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2f(m_run[r] - m_new[r]);
+    m_run[r] = m_new[r];
+    l_run[r] *= alpha[r];
+  }
+
+  // ---- P = exp2(s - m) -> shared memory (bf16); rescale O ---------------------------------
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    float p[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int r = x >> 1;
+      p[x] = m_new[r] == -INFINITY ? 0.f : exp2f(s[j][x] - m_new[r]);
+      l_run[r] += p[x];
+    }
+    const int col = n0 + j * 8 + q4 * 2;  // entry within the tile
+    const int row = rg * 16 + g;
+    const uint32_t lo = pack_bf16(p[0], p[1]), hi = pack_bf16(p[2], p[3]);
+    // P rows are 128 bytes (8 chunks), swizzled by row & 7.
+    *reinterpret_cast<uint32_t*>(sP + row * 128 + (((col >> 3) ^ (row & 7)) << 4) +
+                                 (col & 7) * 2) = lo;
+    *reinterpret_cast<uint32_t*>(sP + (row + 8) * 128 + (((col >> 3) ^ ((row + 8) & 7)) << 4) +
+                                 (col & 7) * 2) = hi;
+  }
+}
+
+// Barrier over the threads that compute (all of the CTA, or the kConsumers threads of a
+// warp-specialised CTA, named barrier 5).
+template <int kConsumers>
+__device__ __forceinline__ void consumer_sync() {
+  if constexpr (kConsumers == 0) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync 5, %0;\n" ::"n"(kConsumers) : "memory");
+  }
+}
+
+// The end of a work item: the row sums are combined over the C warps of each row group, then
+// the normalised output and LSE are written (one split), or the unnormalised partial O with its
+// max and sum (several splits, merged by sparse_mla_combine_kernel).
+template <int OT, int C, int kConsumers>
+__device__ __forceinline__ void store_outputs(float (&acc)[OT][4], float (&m_run)[2],
+                                              float (&l_run)[2], float* sRed, int rg, int cg,
+                                              int g, int q4, const KernelArgs& a, int64_t t,
+                                              int head0, int split) {
+  // ---- epilogue: row sums over the row group, then normalise or write partials -------------
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  if constexpr (C > 1) {
+    consumer_sync<kConsumers>();  // every warp is past its last use of sRed
+    if (q4 == 0) {
+      sRed[(rg * 16 + g) * C + cg] = l_run[0];
+      sRed[(rg * 16 + g + 8) * C + cg] = l_run[1];
+    }
+    row_group_sync<C>(rg);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = 0.f;
+#pragma unroll
+      for (int c = 0; c < C; ++c) l += sRed[(rg * 16 + g + 8 * r) * C + c];
+      l_run[r] = l;
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = head0 + rg * 16 + g + 8 * r;
+    if (h >= a.num_heads) continue;
+    const float l = l_run[r], m = m_run[r];
+    if (a.num_splits == 1) {
+      float inv = 0.f;
+      if (l > 0.f) {
+        float denom = l;
+        if (a.sink != nullptr) denom += exp2f(a.sink[h] * kLog2e - m);
+        inv = 1.f / denom;
+      }
+      __nv_bfloat16* o = a.out + t * a.out_stride_token + static_cast<int64_t>(h) * a.out_stride_head;
+#pragma unroll
+      for (int j = 0; j < OT; ++j) {
+        const int d = cg * (kDim / C) + j * 8 + q4 * 2;
+        *reinterpret_cast<uint32_t*>(o + d) = pack_bf16(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+      }
+      if (cg == 0 && q4 == 0)
+        a.lse[t * a.lse_stride_token + h] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+    } else {
+      const int64_t item = (static_cast<int64_t>(split) * a.num_tokens + t) * a.num_heads + h;
+      float* o = a.part_o + item * kDim;
+#pragma unroll
+      for (int j = 0; j < OT; ++j) {
+        const int d = cg * (kDim / C) + j * 8 + q4 * 2;
+        *reinterpret_cast<float2*>(o + d) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
+      }
+      if (cg == 0 && q4 == 0) {
+        a.part_m[item] = m;
+        a.part_l[item] = l;
+      }
+    }
+  }
+}
+
 template <int R, bool kFp8>
 struct Smem {
   static constexpr int kHeads = 16 * R;
@@ -439,67 +587,9 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
         }
     }
 
-    // ---- mask, scale, tile maxima ---------------------------------------------------------
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const bool valid = valid_flags[n0 + j * 8 + q4 * 2 + x] != 0;
-        s[j][x] = valid ? s[j][x] * a.scale_log2 : -INFINITY;
-        s[j][2 + x] = valid ? s[j][2 + x] * a.scale_log2 : -INFINITY;
-        mx[0] = fmaxf(mx[0], s[j][x]);
-        mx[1] = fmaxf(mx[1], s[j][2 + x]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    }
-    float* red = sRed + (it & 1) * (R * 16 * C);  // double-buffered [R][16][C]
-    if constexpr (C > 1) {
-      if (q4 == 0) {
-        red[(rg * 16 + g) * C + cg] = mx[0];
-        red[(rg * 16 + g + 8) * C + cg] = mx[1];
-      }
-      row_group_sync<C>(rg);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < C; ++c) m = fmaxf(m, red[(rg * 16 + g + 8 * r) * C + c]);
-        mx[r] = m;
-      }
-    }
-    float alpha[2], m_new[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m_new[r] = fmaxf(m_run[r], mx[r]);
-      alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2f(m_run[r] - m_new[r]);
-      m_run[r] = m_new[r];
-      l_run[r] *= alpha[r];
-    }
-
-    // ---- P = exp2(s - m) -> shared memory (bf16); rescale O ---------------------------------
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      float p[4];
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const int r = x >> 1;
-        p[x] = m_new[r] == -INFINITY ? 0.f : exp2f(s[j][x] - m_new[r]);
-        l_run[r] += p[x];
-      }
-      const int col = n0 + j * 8 + q4 * 2;  // entry within the tile
-      const int row = rg * 16 + g;
-      const uint32_t lo = pack_bf16(p[0], p[1]), hi = pack_bf16(p[2], p[3]);
-      // P rows are 128 bytes (8 chunks), swizzled by row & 7.
-      *reinterpret_cast<uint32_t*>(sP + row * 128 + (((col >> 3) ^ (row & 7)) << 4) +
-                                   (col & 7) * 2) = lo;
-      *reinterpret_cast<uint32_t*>(sP + (row + 8) * 128 + (((col >> 3) ^ ((row + 8) & 7)) << 4) +
-                                   (col & 7) * 2) = hi;
-    }
+    float alpha[2];
+    softmax_step<NT, C>(s, valid_flags, n0, sRed + (it & 1) * (R * 16 * C), sP, rg, cg, g, q4,
+                        a.scale_log2, m_run, l_run, alpha);
 #pragma unroll
     for (int j = 0; j < OT; ++j) {
       acc[j][0] *= alpha[0];
@@ -554,62 +644,7 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
   }
   cp_async_wait<0>();
 
-  // ---- epilogue: row sums over the row group, then normalise or write partials -------------
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
-  if constexpr (C > 1) {
-    __syncthreads();  // every warp is past its last use of sRed
-    if (q4 == 0) {
-      sRed[(rg * 16 + g) * C + cg] = l_run[0];
-      sRed[(rg * 16 + g + 8) * C + cg] = l_run[1];
-    }
-    row_group_sync<C>(rg);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = 0.f;
-#pragma unroll
-      for (int c = 0; c < C; ++c) l += sRed[(rg * 16 + g + 8 * r) * C + c];
-      l_run[r] = l;
-    }
-  }
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int h = head0 + rg * 16 + g + 8 * r;
-    if (h >= a.num_heads) continue;
-    const float l = l_run[r], m = m_run[r];
-    if (a.num_splits == 1) {
-      float inv = 0.f;
-      if (l > 0.f) {
-        float denom = l;
-        if (a.sink != nullptr) denom += exp2f(a.sink[h] * kLog2e - m);
-        inv = 1.f / denom;
-      }
-      __nv_bfloat16* o = a.out + t * a.out_stride_token + static_cast<int64_t>(h) * a.out_stride_head;
-#pragma unroll
-      for (int j = 0; j < OT; ++j) {
-        const int d = cg * kDimsPerWarp + j * 8 + q4 * 2;
-        *reinterpret_cast<uint32_t*>(o + d) = pack_bf16(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
-      }
-      if (cg == 0 && q4 == 0)
-        a.lse[t * a.lse_stride_token + h] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
-    } else {
-      const int64_t item = (static_cast<int64_t>(split) * a.num_tokens + t) * a.num_heads + h;
-      float* o = a.part_o + item * kDim;
-#pragma unroll
-      for (int j = 0; j < OT; ++j) {
-        const int d = cg * kDimsPerWarp + j * 8 + q4 * 2;
-        *reinterpret_cast<float2*>(o + d) = make_float2(acc[j][2 * r], acc[j][2 * r + 1]);
-      }
-      if (cg == 0 && q4 == 0) {
-        a.part_m[item] = m;
-        a.part_l[item] = l;
-      }
-    }
-  }
+  store_outputs<OT, C, 0>(acc, m_run, l_run, sRed, rg, cg, g, q4, a, t, head0, split);
 }
 
 // Merge the split partials of one (token, head) per warp, in split order.
