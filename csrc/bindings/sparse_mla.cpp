@@ -88,7 +88,7 @@ SparseMlaParams make_params(ZI_SPARSE_MLA_ARGS) {
       py::arg("lse_stride_token")
 
 void register_sparse_mla(py::module_& m) {
-  m.def(
+  def(m,
       "sparse_mla_attention_cpu",
       [](ZI_SPARSE_MLA_ARGS) {
         const SparseMlaParams p = ZI_SPARSE_MLA_PARAMS;
