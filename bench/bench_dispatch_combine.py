@@ -59,20 +59,11 @@ def combine_bytes(T, hidden, topk, in_es, out_es, w_es):
     return T * topk * (hidden * in_es + 4 + w_es) + T * hidden * out_es
 
 
-def time_graph(fn, timer):
-    """Median time of fn captured in a CUDA graph (None if capture fails)."""
+def time_graph(fn):
+    """bench.time_cuda_graph of fn, or None (reported) if the call cannot be captured."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()  # warm up allocator / lazy init outside the capture
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return timer(g.replay)
-    except Exception as e:  # report, do not hide the eager number
+        return bench.time_cuda_graph(fn)
+    except Exception as e:  # noqa: BLE001 - report, do not hide the eager number
         print(f"graph capture failed: {type(e).__name__}: {e}")
         return None
 
@@ -123,7 +114,7 @@ def main() -> None:
             }
             for name, (ours, ours_out, ref, nbytes) in cases.items():
                 t_ours, t_torch = timer(ours), timer(ref)
-                t_graph = time_graph(ours_out, timer) if cuda else None
+                t_graph = time_graph(ours_out) if cuda else None
                 row = {"op": name, "tokens": T, "routing": "skewed" if skew else "uniform",
                        "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "tile": TILE,
                        **bench.roofline_row(seconds=t_ours, bytes_moved=nbytes, flops=0,

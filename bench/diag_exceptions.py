@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,25 +138,29 @@ def main() -> None:
         cuda_ok = False
     orders = ["no_torch", "torch_first", "c_first"] + (["torch_cuda_first"] if cuda_ok else [])
     summary, first_crash = [], None
+    # Every (build, order, path) in its own child, run 8 at a time: one crash hides nothing.
+    jobs = [(so, order, steps) for so in sos for order in orders
+            for steps in ("inside", "guarded", "unguarded")]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda j: run_child(*j), jobs))
     for so in sos:
         print(f"\n=== {so}\n    pybind11 ids: {pybind11_ids(so)}")
         r = subprocess.run(["ldd", so], capture_output=True, text=True)
         print("    ldd: " + "; ".join(l.strip().split(" (")[0] for l in r.stdout.splitlines()))
-        for order in orders:
-            # Each path in its own child too, so one crash does not hide the others.
-            for steps in ("inside", "guarded", "unguarded"):
-                res = run_child(so, order, steps)
-                lines = res.stdout.strip().splitlines()
-                ok = res.returncode == 0 and lines and lines[-1] == "done"
-                status = "ok" if ok else f"CRASH (exit {res.returncode}) after: {lines[-1] if lines else '-'}"
-                summary.append((Path(so).parent.name, order, steps, status))
-                if not ok and first_crash is None:
-                    first_crash = (so, order, steps)
-                if steps == "unguarded" or not ok:
-                    print(f"--- {order} / {steps}: {status}")
-                    print("\n".join("    " + l for l in lines if not l.startswith("step")))
-                    if res.stderr.strip():
-                        print("    stderr: " + res.stderr.strip()[-600:].replace("\n", "\n    "))
+        for (so_, order, steps), res in zip(jobs, results):
+            if so_ != so:
+                continue
+            lines = res.stdout.strip().splitlines()
+            ok = res.returncode == 0 and lines and lines[-1] == "done"
+            status = "ok" if ok else f"CRASH (exit {res.returncode}) after: {lines[-1] if lines else '-'}"
+            summary.append((Path(so).parent.name, order, steps, status))
+            if not ok and first_crash is None:
+                first_crash = (so, order, steps)
+            if steps == "unguarded" or not ok:
+                print(f"--- {order} / {steps}: {status}")
+                print("\n".join("    " + l for l in lines if not l.startswith("step")))
+                if res.stderr.strip():
+                    print("    stderr: " + res.stderr.strip()[-600:].replace("\n", "\n    "))
     print("\n=== summary")
     for build, order, steps, status in summary:
         print(f"{build:28s} {order:18s} {steps:10s} {status}")

@@ -66,6 +66,8 @@ auto guard_impl(F f) {
       if constexpr (std::is_void_v<R>) {
         f(std::forward<A>(a)...);
         return pybind11::none();
+      } else if constexpr (std::is_base_of_v<pybind11::object, R>) {
+        return pybind11::object(f(std::forward<A>(a)...));  // py::tuple, typing::Tuple, ...
       } else {
         return pybind11::cast(f(std::forward<A>(a)...));
       }

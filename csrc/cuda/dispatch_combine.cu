@@ -25,6 +25,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "check.cuh"
 #include "zeroinfer/dispatch_combine.h"
@@ -450,10 +452,13 @@ void moe_dispatch_cuda(const MoeDispatchParams& p, void* workspace, void* stream
         p.capacity, p.row_token, p.token_row, p.expert_counts, p.expert_offsets);
     ZI_CUDA_CHECK_LAUNCH("moe_dispatch route");
   } else {
+    // place_kernel: cursor[E] dynamic + sid[kChunk] and the scan's 32 ints static, in 48 KB.
     const size_t smem = static_cast<size_t>(num_experts) * sizeof(int32_t);
-    if (smem > kSmemLimit) {
+    constexpr size_t kPlaceStatic = (kChunk + 32) * sizeof(int32_t);
+    if (smem + kPlaceStatic > kSmemLimit) {
       throw std::invalid_argument(
-          "moe_dispatch (CUDA): num_experts too large for one block (max 12288)");
+          "moe_dispatch (CUDA): num_experts too large for one block (max " +
+          std::to_string((kSmemLimit - kPlaceStatic) / sizeof(int32_t)) + ")");
     }
     const int chunks = num_chunks(n);
     auto* chunk_counts = static_cast<int32_t*>(workspace);
