@@ -4,8 +4,14 @@
   python bench/bench_dispatch_combine.py --device cuda   # CUDA kernels vs torch, roofline
 
 V4-Flash routing shapes: hidden 4096 (bf16), 256 experts, top-6. Bytes are the fewest a kernel
-must move: dispatch reads x once and the ids and writes T*k rows; combine reads T*k rows and the
-weights and writes T rows.
+must move (dispatch_bytes / combine_bytes below): dispatch reads x once and the ids and writes
+T*k rows plus its index outputs (token_row, row_token over the whole capacity, counts, offsets);
+combine reads T*k rows, token_row and the weights and writes T rows. The fraction is that floor
+(bytes / measured copy bandwidth) over the measured time, i.e. achieved GB/s / ceiling.
+
+Each case is timed twice on CUDA: `time_us` is the eager Python call (argument checks, output
+allocation and launches included, L2 flushed before each call); `graph_us` replays the same call
+captured in a CUDA graph (what a captured decode step pays: no Python, no launch gaps).
 """
 
 from __future__ import annotations
@@ -42,6 +48,26 @@ def torch_combine(expert_out, token_row, w):
     return (rows.float() * w[..., None]).sum(1).to(expert_out.dtype)
 
 
+def dispatch_bytes(T, hidden, topk, num_experts, es, ids_es, capacity):
+    """x read once + ids read + T*k rows written + token_row, row_token, counts, offsets."""
+    return (T * hidden * es + T * topk * ids_es + T * topk * hidden * es
+            + T * topk * 4 + capacity * 4 + (2 * num_experts + 1) * 4)
+
+
+def combine_bytes(T, hidden, topk, in_es, out_es, w_es):
+    """T*k expert rows + token_row + weights read, T rows written."""
+    return T * topk * (hidden * in_es + 4 + w_es) + T * hidden * out_es
+
+
+def time_graph(fn):
+    """bench.time_cuda_graph of fn, or None (reported) if the call cannot be captured."""
+    try:
+        return bench.time_cuda_graph(fn)
+    except Exception as e:  # noqa: BLE001 - report, do not hide the eager number
+        print(f"graph capture failed: {type(e).__name__}: {e}")
+        return None
+
+
 def routing(T, skew, device, gen):
     if skew:  # every token's k slots on the first k experts
         return torch.arange(TOPK, dtype=torch.int32, device=device).repeat(T, 1)
@@ -73,24 +99,36 @@ def main() -> None:
             got = moe_combine(eo, d.token_row, w).float()
             assert torch.allclose(got, torch_combine(eo, d.token_row, w).float(), rtol=2e-2, atol=2e-2)
             es = x.element_size()
+            comb_out = torch.empty(T, HIDDEN, dtype=eo.dtype, device=dev)
             cases = {
                 "dispatch": (lambda: moe_dispatch(x, ids, EXPERTS, tile=TILE),
+                             lambda: moe_dispatch(x, ids, EXPERTS, tile=TILE, out=d),
                              lambda: torch_dispatch(x, ids, EXPERTS, TILE),
-                             T * HIDDEN * es + T * TOPK * 4 + T * TOPK * HIDDEN * es),
+                             dispatch_bytes(T, HIDDEN, TOPK, EXPERTS, es, ids.element_size(),
+                                            d.row_token.numel())),
                 "combine": (lambda: moe_combine(eo, d.token_row, w),
+                            lambda: moe_combine(eo, d.token_row, w, out=comb_out),
                             lambda: torch_combine(eo, d.token_row, w),
-                            T * TOPK * (HIDDEN * es + 8) + T * HIDDEN * es),
+                            combine_bytes(T, HIDDEN, TOPK, eo.element_size(), es,
+                                          w.element_size())),
             }
-            for name, (ours, ref, nbytes) in cases.items():
+            for name, (ours, ours_out, ref, nbytes) in cases.items():
                 t_ours, t_torch = timer(ours), timer(ref)
+                t_graph = time_graph(ours_out) if cuda else None
                 row = {"op": name, "tokens": T, "routing": "skewed" if skew else "uniform",
                        "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "tile": TILE,
                        **bench.roofline_row(seconds=t_ours, bytes_moved=nbytes, flops=0,
                                             ceilings=ceilings),
                        "torch_us": t_torch * 1e6, "speedup_vs_torch": t_torch / t_ours}
+                if t_graph is not None:
+                    g = bench.roofline_row(seconds=t_graph, bytes_moved=nbytes, flops=0,
+                                           ceilings=ceilings)
+                    row.update(graph_us=g["time_us"], graph_gbps=g["gbps"],
+                               graph_fraction=g["fraction_of_floor"])
                 rows.append(row)
-    cols = ["op", "tokens", "routing", "time_us", "gbps", "fraction_of_floor", "torch_us",
-            "speedup_vs_torch"]
+    cols = ["op", "tokens", "routing", "bytes", "time_us", "gbps", "fraction_of_floor"]
+    cols += ["graph_us", "graph_gbps", "graph_fraction"] if cuda else []
+    cols += ["torch_us", "speedup_vs_torch"]
     bench.print_table(rows, cols)
 
     path = bench.write_results("dispatch_combine", rows, device=dev,

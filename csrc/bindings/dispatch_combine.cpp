@@ -6,9 +6,9 @@ namespace py = pybind11;
 namespace zi::bindings {
 
 void register_dispatch_combine(py::module_& m) {
-  m.def("moe_dispatch_capacity", &moe_dispatch_capacity, py::arg("num_tokens"), py::arg("topk"),
+  def(m, "moe_dispatch_capacity", &moe_dispatch_capacity, py::arg("num_tokens"), py::arg("topk"),
         py::arg("num_experts"), py::arg("tile"));
-  m.def(
+  def(m,
       "moe_dispatch",
       [](bool cuda, uintptr_t x, int x_dtype, uintptr_t ids, int ids_dtype, int64_t num_tokens,
          int64_t hidden, int64_t topk, int64_t num_experts, int64_t tile, int64_t capacity,
@@ -31,7 +31,7 @@ void register_dispatch_combine(py::module_& m) {
         throw std::runtime_error("zeroinfer._C was built without CUDA");
 #endif
       });
-  m.def(
+  def(m,
       "moe_combine",
       [](bool cuda, uintptr_t expert_out, int expert_out_dtype, uintptr_t token_row,
          uintptr_t weights, int weights_dtype, int64_t rows, int64_t num_tokens, int64_t hidden,
@@ -53,7 +53,7 @@ void register_dispatch_combine(py::module_& m) {
 #endif
       });
 #ifdef ZEROINFER_WITH_CUDA
-  m.def("moe_dispatch_workspace_bytes", &moe_dispatch_workspace_bytes, py::arg("num_tokens"),
+  def(m, "moe_dispatch_workspace_bytes", &moe_dispatch_workspace_bytes, py::arg("num_tokens"),
         py::arg("topk"), py::arg("num_experts"));
 #endif
 }

@@ -6,7 +6,7 @@ namespace py = pybind11;
 namespace zi::bindings {
 
 void register_length_correction(py::module_& m) {
-  m.def("correct_lengths",
+  def(m, "correct_lengths",
         [](bool cuda, int64_t num_rows, int64_t num_prev_rows, int64_t prev_width,
            int64_t num_tokens, uintptr_t remap, uintptr_t assumed_accepted,
            uintptr_t prev_num_accepted, uintptr_t prev_next_tokens, uintptr_t prev_num_next,

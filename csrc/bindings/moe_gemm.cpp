@@ -13,7 +13,7 @@ namespace py = pybind11;
 namespace zi::bindings {
 
 void register_moe_gemm(py::module_& m) {
-  m.def(
+  def(m,
       "mxfp4_grouped_gemm_cpu",
       [](uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t w, uintptr_t w_scale,
          uintptr_t expert_offsets, uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out,

@@ -88,7 +88,7 @@ SparseMlaParams make_params(ZI_SPARSE_MLA_ARGS) {
       py::arg("lse_stride_token")
 
 void register_sparse_mla(py::module_& m) {
-  m.def(
+  def(m,
       "sparse_mla_attention_cpu",
       [](ZI_SPARSE_MLA_ARGS) {
         const SparseMlaParams p = ZI_SPARSE_MLA_PARAMS;
@@ -99,7 +99,7 @@ void register_sparse_mla(py::module_& m) {
       "Sparse MLA attention on the CPU (raw pointers; use zeroinfer.ops.sparse_mla_attention). "
       "extra_indices = 0 means no extra cache; attn_sink = 0 means no sink.");
 #ifdef ZEROINFER_WITH_CUDA
-  m.def(
+  def(m,
       "sparse_mla_cuda_plan",
       [](int64_t num_tokens, int64_t num_heads, int64_t total_topk, int64_t num_sms) {
         const SparseMlaCudaPlan plan =
@@ -108,7 +108,7 @@ void register_sparse_mla(py::module_& m) {
       },
       py::arg("num_tokens"), py::arg("num_heads"), py::arg("total_topk"), py::arg("num_sms"),
       "(num_splits, tiles_per_split, workspace_floats) of the CUDA sparse MLA kernel");
-  m.def(
+  def(m,
       "sparse_mla_attention_cuda",
       [](ZI_SPARSE_MLA_ARGS, int64_t num_splits, int64_t tiles_per_split, uintptr_t workspace,
          uintptr_t stream) {

@@ -245,3 +245,89 @@ def test_cuda_combine_matches_cpu(gen, in_dtype, out_dtype, T, k, D):
     tol = 1e-6 if out_dtype == torch.float32 else 8e-3
     assert_close_to_ref(got, ref, tol=tol)
     assert_close_to_ref(got, cpu, tol=tol, name="CUDA vs CPU twin")
+
+
+# The CUDA dispatch routes with one block (route_small_kernel) when T*k <= 16384 and
+# 16 warps x E counters + the ids fit 48 KB, else with count / scan / place over 256-entry
+# chunks; these cases sit on both sides of each limit.
+@pytest.mark.gpu
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("T,k,E,tile,drop", [
+    (2048, 8, 256, 64, 0.0),    # n = 16384: the largest single-block routing
+    (2731, 6, 256, 64, 0.05),   # n = 16386: count / scan / place, 65 chunks
+    (5, 4, 1000, 8, 0.0),       # E too large for the single block: one-chunk multi-launch path
+    (3000, 6, 256, 128, 0.3),   # many chunks, big tile, many dropped slots
+    (700, 6, 768, 16, 0.0),     # 16 x 768 counters + ids overflow 48 KB: multi-launch
+    (200, 6, 700, 16, 0.0),     # 16 x 700 counters + ids fit: single block, large E
+    (4000, 6, 64, 16, 1.0),     # everything dropped, multi-launch
+])
+def test_cuda_dispatch_routing_paths(gen, ids_dtype, T, k, E, tile, drop):
+    D = 24
+    x = random_x(gen, T, D, torch.bfloat16)
+    ids = random_ids(gen, T, k, E, drop=drop, ids_dtype=ids_dtype)
+    out = poisoned_dispatch(x, T, k, E, tile, device="cuda")
+    d = moe_dispatch(x.cuda(), ids.cuda(), E, tile=tile, out=out)
+    torch.cuda.synchronize()
+    assert_dispatch_matches(d, x, ids, E, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,D,offset", [
+    (torch.bfloat16, 8, 0),         # 16-byte vectors
+    (torch.bfloat16, 4, 0),         # 8-byte
+    (torch.bfloat16, 2, 0),         # 4-byte
+    (torch.bfloat16, 1, 0),         # 2-byte
+    (torch.float8_e4m3fn, 13, 0),   # 1-byte
+    (torch.float32, 4096, 1),       # x 4 bytes off 16-byte alignment: 4-byte vectors
+    (torch.bfloat16, 4104, 0),      # 513 vectors of 16 B: a second, 1-vector gather piece
+    (torch.bfloat16, 7168, 0),      # V4 hidden size: 2 pieces
+])
+def test_cuda_dispatch_gather_vector_widths(gen, dtype, D, offset):
+    T, k, E, tile = 37, 6, 16, 8
+    base = random_x(gen, T * D + offset, 1, dtype).view(-1)
+    x = base[offset:].view(T, D)
+    ids = random_ids(gen, T, k, E, drop=0.1)
+    xc = base.cuda()[offset:].view(T, D)
+    d = moe_dispatch(xc, ids.cuda(), E, tile=tile, out=poisoned_dispatch(x, T, k, E, tile, "cuda"))
+    torch.cuda.synchronize()
+    assert_dispatch_matches(d, x, ids, E, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,k,D,out_offset", [
+    (50, 9, 4096, 0),    # three groups of expert-row loads, several row pieces
+    (20, 5, 1032, 0),    # a partial last row piece
+    (31, 6, 256, 1),     # out misaligned: the scalar path
+    (8, 1, 8, 0),
+])
+def test_cuda_combine_paths(gen, in_dtype, out_dtype, T, k, D, out_offset):
+    rows = T * k + 3
+    eo = random_x(gen, rows, D, in_dtype)
+    token_row = torch.randperm(rows, generator=gen)[: T * k].view(T, k).to(torch.int32)
+    token_row[torch.rand(T, k, generator=gen) < 0.2] = -1
+    w = torch.rand(T, k, generator=gen).to(torch.bfloat16)
+    buf = torch.full((T * D + out_offset,), float("nan"), dtype=out_dtype, device="cuda")
+    out = buf[out_offset:].view(T, D)
+    got = moe_combine(eo.cuda(), token_row.cuda(), w.cuda(), out_dtype=out_dtype, out=out).cpu()
+    tol = 1e-6 if out_dtype == torch.float32 else 8e-3
+    assert_close_to_ref(got, moe_combine_ref(eo, token_row, w), tol=tol)
+
+
+@pytest.mark.gpu
+def test_cuda_round_trip_is_batch_invariant(gen):
+    """On the GPU too: a token's combined row is bit-identical alone or in a batch of 3000
+    (the batch takes the multi-launch routing, the single token the one-block routing)."""
+    T, k, E, D = 3000, 6, 64, 512
+    x = random_x(gen, T, D, torch.bfloat16).cuda()
+    ids = random_ids(gen, T, k, E).cuda()
+    w = torch.rand(T, k, generator=gen).cuda()
+
+    def run(xs, ids_, w_):
+        d = moe_dispatch(xs, ids_, E, tile=64)
+        return moe_combine(d.sorted_x, d.token_row, w_)
+
+    full = run(x, ids, w)
+    for t in (0, 1234, T - 1):
+        assert torch.equal(run(x[t : t + 1], ids[t : t + 1], w[t : t + 1])[0], full[t])
