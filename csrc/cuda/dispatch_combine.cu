@@ -447,7 +447,13 @@ void moe_dispatch_cuda(const MoeDispatchParams& p, void* workspace, void* stream
   const int tile = static_cast<int>(p.tile);
   const bool is64 = p.ids_dtype == DType::kInt64;
   if (use_small_route(n, num_experts)) {
-    route_small_kernel<<<1, kSmallThreads, small_route_smem(n, num_experts), stream>>>(
+    // The kernel's own static shared memory (block scan scratch) comes on top of the dynamic
+    // part, so a dynamic size right at 48 KB needs the opt-in.
+    const size_t smem = small_route_smem(n, num_experts);
+    ZI_CUDA_CHECK(cudaFuncSetAttribute(route_small_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+    route_small_kernel<<<1, kSmallThreads, smem, stream>>>(
         p.topk_ids, is64, static_cast<int>(n), static_cast<int>(p.topk), num_experts, tile,
         p.capacity, p.row_token, p.token_row, p.expert_counts, p.expert_offsets);
     ZI_CUDA_CHECK_LAUNCH("moe_dispatch route");
