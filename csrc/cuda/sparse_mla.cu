@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "check.cuh"
 #include "wgmma.cuh"
@@ -181,10 +183,12 @@ struct RowRef {
   const uint8_t* scale;  // FP8: the 8 scale bytes
 };
 
-// Slot of list position `e` of tile `tile` (-1 past the list or the split), and its cache.
+// Slot of list position `e` of tile `tile` (kN entries a tile; -1 past the list or the split),
+// and its cache.
+template <int kN = kTileN>
 __device__ __forceinline__ void fetch_slot(const KernelArgs& a, int64_t t, int tile, int tile_end,
                                            int e, int32_t& slot, int& which) {
-  const int pos = tile * kTileN + e;
+  const int pos = tile * kN + e;
   slot = -1;
   which = 0;
   if (tile < tile_end && pos < a.kv.topk + a.extra.topk) slot = lookup(a, t, pos, which);
@@ -210,13 +214,15 @@ __device__ __forceinline__ RowRef resolve(const KernelArgs& a, int32_t slot, int
 // Issue the cp.asyncs of one tile from the published RowRefs: FP8 -> raw staging buffer, bf16 ->
 // swizzled tile. Skipped entries are zero-filled (src-size 0 reads nothing; `dummy` is any valid
 // address, since an empty cache's data pointer may be null).
-template <bool kFp8, int kThreads>
-__device__ __forceinline__ void load_tile(const RowRef* refs, const void* dummy, uint8_t* dst) {
+// kN entries a tile, copied by kThreads threads of which this is number `tid`.
+template <bool kFp8, int kThreads, int kN = kTileN>
+__device__ __forceinline__ void load_tile(const RowRef* refs, const void* dummy, uint8_t* dst,
+                                          int tid) {
   constexpr int kChunks = kFp8 ? 37 : 64;  // FP8: 36 x 16 B row + one 8 B scale chunk
 #pragma unroll 4
-  for (int j = 0; j < (kTileN * kChunks + kThreads - 1) / kThreads; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i >= kTileN * kChunks) break;
+  for (int j = 0; j < (kN * kChunks + kThreads - 1) / kThreads; ++j) {
+    const int i = tid + j * kThreads;
+    if (i >= kN * kChunks) break;
     const int e = i / kChunks, c = i - e * kChunks;
     const RowRef r = refs[e];
     const bool valid = r.row != nullptr;
@@ -224,21 +230,21 @@ __device__ __forceinline__ void load_tile(const RowRef* refs, const void* dummy,
       if (c < 36) {
         cp_async16(smem_u32(dst + e * kFp8Row + c * 16), valid ? r.row + c * 16 : dummy, valid);
       } else {
-        cp_async8(smem_u32(dst + kTileN * kFp8Row + e * 8), valid ? r.scale : dummy, valid);
+        cp_async8(smem_u32(dst + kN * kFp8Row + e * 8), valid ? r.scale : dummy, valid);
       }
     } else {
-      cp_async16(smem_u32(dst) + swz<kTileN>(e, c), valid ? r.row + c * 16 : dummy, valid);
+      cp_async16(smem_u32(dst) + swz<kN>(e, c), valid ? r.row + c * 16 : dummy, valid);
     }
   }
 }
 
 // Raw FP8 staging tile -> swizzled bf16 tile (zero-filled rows stay zero).
-template <int kThreads>
-__device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint8_t* tile) {
-  const uint8_t* scales = stage + kTileN * kFp8Row;
+template <int kThreads, int kN = kTileN>
+__device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint8_t* tile, int tid) {
+  const uint8_t* scales = stage + kN * kFp8Row;
 #pragma unroll
-  for (int j = 0; j < kTileN * 64 / kThreads; ++j) {
-    const int i = threadIdx.x + j * kThreads;
+  for (int j = 0; j < kN * 64 / kThreads; ++j) {
+    const int i = tid + j * kThreads;
     const int e = i >> 6, c = i & 63;
     uint4 v;
     if (c < 56) {
@@ -249,7 +255,7 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint8_t* tile
     } else {
       v = *reinterpret_cast<const uint4*>(stage + e * kFp8Row + 448 + (c - 56) * 16);
     }
-    *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, c)) = v;
+    *reinterpret_cast<uint4*>(tile + swz<kN>(e, c)) = v;
   }
 }
 
@@ -489,7 +495,7 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
       publish(pf_slot, pf_which, st);
     }
     __syncthreads();
-    if (st < n) load_tile<kFp8, kThreads>(sRefs, a.q, stage_ptr(st));
+    if (st < n) load_tile<kFp8, kThreads>(sRefs, a.q, stage_ptr(st), threadIdx.x);
     cp_async_commit();
     __syncthreads();  // sRefs is reused by the next prologue tile
   }
@@ -512,7 +518,7 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
     __syncthreads();  // ... and everyone's; all warps are done with tile it-1
     uint8_t* kt = kFp8 ? sK : stage_ptr(stage);
     if constexpr (kFp8) {
-      dequant_tile<kThreads>(stage_ptr(stage), sK);
+      dequant_tile<kThreads>(stage_ptr(stage), sK, threadIdx.x);
       if constexpr (kWgmma) wgmma::fence_proxy_async();
     }
     const int ahead = it + S::kStages - 1;  // the tile whose copies are issued now
@@ -521,7 +527,7 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
       fetch_slot(a, t, tile_begin + ahead + 1, tile_end, threadIdx.x, pf_slot, pf_which);
     }
     __syncthreads();  // bf16 tile ready (FP8), sRefs published
-    if (ahead < n) load_tile<kFp8, kThreads>(sRefs, a.q, stage_ptr(ahead % S::kStages));
+    if (ahead < n) load_tile<kFp8, kThreads>(sRefs, a.q, stage_ptr(ahead % S::kStages), threadIdx.x);
     cp_async_commit();
     const int* valid_flags = sValid + stage * kTileN;
     const uint32_t k_base = smem_u32(kt);
@@ -647,6 +653,202 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
   store_outputs<OT, C, 0>(acc, m_run, l_run, sRed, rg, cg, g, q4, a, t, head0, split);
 }
 
+// ---- Warp-specialised kernel for groups of 64 heads -----------------------------------------
+// Three warpgroups. 0 and 1 compute, as the R = 4 path above but on 32-entry tiles: S = QK^T
+// (each warpgroup 16 of the entries, wgmma m64n16) and O += PV (each half of the output dims,
+// two wgmma m64n128). 2 produces: it fetches the indices, cp.asyncs the raw rows of tile j+2 and
+// dequantises tile j into one of two bf16 tiles, so copies, dequantisation and tensor cores
+// overlap instead of taking turns. Named barriers: 1-4 row groups (max exchange), 5 the 256
+// compute threads, 6/7 "bf16 tile b full", 8/9 "bf16 tile b free", 10 the producer warpgroup.
+constexpr int kWsN = 32;                                    // entries a tile
+constexpr int kWsStages = 3;                                // raw-tile ring depth
+constexpr int kWsStageBytes = kWsN * kFp8Row + kWsN * 8;    // one raw FP8 tile
+constexpr int kWsThreads = 384;
+
+template <bool kFp8>
+struct WsSmem {
+  static constexpr int kQ = 0;                                   // 64 x 512 bf16
+  static constexpr int kK = kQ + 64 * kRowBytes;                 // 2 bf16 tiles of 32 x 512
+  static constexpr int kP = kK + 2 * kWsN * kRowBytes;           // 64 rows x 128 B (32 used)
+  static constexpr int kStage = kP + 64 * 128;                   // FP8 raw ring
+  static constexpr int kRed = kStage + (kFp8 ? kWsStages * kWsStageBytes : 0);
+  static constexpr int kRefs = kRed + 2 * 64 * 2 * 4;            // [stages][32] RowRef
+  static constexpr int kStageValid = kRefs + kWsStages * kWsN * 16;  // [stages][32] int
+  static constexpr int kValid = kStageValid + kWsStages * kWsN * 4;  // [2][32] int
+  static constexpr int kBytes = kValid + 2 * kWsN * 4;
+  static constexpr int kAlloc = kBytes + 1024;
+  static_assert(kK % 1024 == 0 && kP % 1024 == 0, "wgmma operands on 1024-byte boundaries");
+  static_assert(kAlloc <= 227 * 1024, "shared memory budget");
+};
+
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kWsThreads, 1) sparse_mla_ws_kernel(const KernelArgs a) {
+  using S = WsSmem<kFp8>;
+  constexpr int C = 2, NT = 2, OT = 32;
+  constexpr int kFull = 6, kFree = 8, kProducers = 10;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint8_t* sQ = smem + S::kQ;
+  uint8_t* sK = smem + S::kK;
+  uint8_t* sP = smem + S::kP;
+  float* sRed = reinterpret_cast<float*>(smem + S::kRed);
+  RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
+  int* sStageValid = reinterpret_cast<int*>(smem + S::kStageValid);
+  int* sValid = reinterpret_cast<int*>(smem + S::kValid);
+  auto ktile = [&](int b) { return sK + b * kWsN * kRowBytes; };
+  auto stage_ptr = [&](int st) { return smem + S::kStage + st * kWsStageBytes; };
+
+  const int64_t t = blockIdx.x;
+  const int head0 = blockIdx.y * 64;
+  const int split = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // The plan counts 64-entry tiles; this kernel walks 32-entry ones.
+  const int total = a.kv.topk + a.extra.topk;
+  const int ntiles = (total + kWsN - 1) / kWsN;
+  const int tile_begin = 2 * split * a.tiles_per_split;
+  const int tile_end = min(ntiles, tile_begin + 2 * a.tiles_per_split);
+  const int n = max(0, tile_end - tile_begin);
+
+  if (warp >= 8) {
+    // ================================ producer warpgroup ====================================
+    const int p = threadIdx.x - 256;
+    for (int i = p; i < 64 * 64; i += 128) {
+      const int r = i >> 6, c = i & 63, h = head0 + r;
+      const bool valid = h < a.num_heads;
+      const __nv_bfloat16* src = a.q + t * a.q_stride_token +
+                                 static_cast<int64_t>(valid ? h : 0) * a.q_stride_head + c * 8;
+      cp_async16(smem_u32(sQ) + swz<64>(r, c), src, valid);
+    }
+    int32_t pf_slot = -1;
+    int pf_which = 0;
+    auto publish = [&](int st) {  // threads 0..31: entry p of the tile in ring slot st
+      sRefs[st * kWsN + p] = resolve<kFp8>(a, pf_slot, pf_which);
+      sStageValid[st * kWsN + p] = pf_slot >= 0;
+    };
+    // Tiles 0 and 1 (the Q copies join the first group). bf16 copies go straight into the two
+    // bf16 tiles, FP8 ones into the raw ring.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (p < kWsN) {
+        fetch_slot<kWsN>(a, t, tile_begin + j, tile_end, p, pf_slot, pf_which);
+        publish(j);
+      }
+      named_sync(kProducers, 128);
+      if (j < n)
+        load_tile<kFp8, 128, kWsN>(sRefs + j * kWsN, a.q, kFp8 ? stage_ptr(j) : ktile(j), p);
+      cp_async_commit();
+    }
+    if (p < kWsN) fetch_slot<kWsN>(a, t, tile_begin + 2, tile_end, p, pf_slot, pf_which);
+    for (int j = 0; j < n; ++j) {
+      const int b = j & 1;
+      if constexpr (kFp8) {
+        // Raw tile j+2 into ring slot (j+2)%3, which held tile j-1 (dequantised last round).
+        if (p < kWsN) {
+          publish((j + 2) % kWsStages);
+          fetch_slot<kWsN>(a, t, tile_begin + j + 3, tile_end, p, pf_slot, pf_which);
+        }
+        named_sync(kProducers, 128);
+        if (j + 2 < n) load_tile<true, 128, kWsN>(sRefs + ((j + 2) % kWsStages) * kWsN, a.q,
+                                                  stage_ptr((j + 2) % kWsStages), p);
+        cp_async_commit();
+        cp_async_wait<2>();  // this thread's copies of tile j landed
+        named_sync(kProducers, 128);  // ... and everyone's
+        if (j >= 2) named_sync(kFree + b, kWsThreads);  // compute is done with tile j-2
+        dequant_tile<128, kWsN>(stage_ptr(j % kWsStages), ktile(b), p);
+      } else {
+        cp_async_wait<1>();  // this thread's copies of tile j landed
+      }
+      if (p < kWsN) sValid[b * kWsN + p] = sStageValid[(j % kWsStages) * kWsN + p];
+      wgmma::fence_proxy_async();
+      named_arrive(kFull + b, kWsThreads);
+      if constexpr (!kFp8) {
+        // bf16: tile j+2 goes into bf16 tile b once compute is done with tile j.
+        if (p < kWsN) {
+          publish((j + 2) % kWsStages);
+          fetch_slot<kWsN>(a, t, tile_begin + j + 3, tile_end, p, pf_slot, pf_which);
+        }
+        named_sync(kFree + b, kWsThreads);
+        if (j + 2 < n) load_tile<false, 128, kWsN>(sRefs + ((j + 2) % kWsStages) * kWsN, a.q,
+                                                   ktile(b), p);
+        cp_async_commit();
+      }
+    }
+    if constexpr (kFp8) {
+      // Match compute's "free" arrivals for the last two tiles (FP8 waits for them from j = 2).
+      for (int j = max(n, 2); j < n + 2; ++j) named_sync(kFree + (j & 1), kWsThreads);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ================================== compute warpgroups ======================================
+  const int rg = warp & 3, cg = warp >> 2;  // rows 16 rg.. of warpgroup cg's entries / dims
+  const int g = lane >> 2, q4 = lane & 3;
+  float acc[OT][4];
+#pragma unroll
+  for (int j = 0; j < OT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  const uint32_t q_base = smem_u32(sQ), p_base = smem_u32(sP);
+  const int n0 = cg * (kWsN / C);
+
+  for (int j = 0; j < n; ++j) {
+    const int b = j & 1;
+    named_sync(kFull + b, kWsThreads);
+    const uint32_t k_base = smem_u32(ktile(b));
+    float s[NT][4];
+    {
+      float(&sd)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s[0][0]);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kDim / 16; ++kk) {
+        const uint64_t da = wgmma::desc_sw128(q_base + (kk >> 2) * (64 * 128) + (kk & 3) * 32,
+                                              16, 1024);
+        const uint64_t db = wgmma::desc_sw128(
+            k_base + (kk >> 2) * (kWsN * 128) + (kk & 3) * 32 + n0 * 128, 16, 1024);
+        wgmma::wgmma_m64n16k16_bf16(sd, da, db, kk > 0);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+    }
+    float alpha[2];
+    softmax_step<NT, C>(s, sValid + b * kWsN, n0, sRed + (j & 1) * (64 * C), sP, rg, cg, g, q4,
+                        a.scale_log2, m_run, l_run, alpha);
+#pragma unroll
+    for (int jj = 0; jj < OT; ++jj) {
+      acc[jj][0] *= alpha[0];
+      acc[jj][1] *= alpha[0];
+      acc[jj][2] *= alpha[1];
+      acc[jj][3] *= alpha[1];
+    }
+    wgmma::fence_proxy_async();  // P (ordinary stores) -> tensor-core reads
+    consumer_sync<256>();        // each warpgroup reads all 64 rows of P
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < kWsN / 16; ++ks) {
+      const uint64_t da = wgmma::desc_sw128(p_base + ks * 32, 16, 1024);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float(&od)[64] = reinterpret_cast<float(&)[64]>(acc[half * 16][0]);
+        const uint32_t v = k_base + (cg * 4 + half * 2) * (kWsN * 128) + ks * 16 * 128;
+        wgmma::wgmma_m64n128k16_bf16_tb(od, da, wgmma::desc_sw128(v, kWsN * 128, 1024), true);
+      }
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    named_arrive(kFree + b, kWsThreads);
+  }
+  store_outputs<OT, C, 256>(acc, m_run, l_run, sRed, rg, cg, g, q4, a, t, head0, split);
+}
+
 // Merge the split partials of one (token, head) per warp, in split order.
 __global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const KernelArgs a) {
   const int64_t t = blockIdx.x;
@@ -699,6 +901,24 @@ __global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const KernelArg
 
 int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
   return num_heads > 32 ? 4 : (num_heads > 16 ? 2 : 1);
+}
+
+// ZEROINFER_SPARSE_MLA_WS=0 selects the single-role R = 4 kernel for 64-head groups instead of
+// the warp-specialised one (for A/B measurements).
+bool use_ws() {
+  static const bool ws = [] {
+    const char* v = std::getenv("ZEROINFER_SPARSE_MLA_WS");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return ws;
+}
+
+template <bool kFp8>
+void launch_ws(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  constexpr int bytes = WsSmem<kFp8>::kAlloc;
+  auto* kernel = sparse_mla_ws_kernel<kFp8>;
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<grid, kWsThreads, bytes, stream>>>(a);
 }
 
 template <int R, bool kFp8>
@@ -789,10 +1009,12 @@ void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan
   if (fp8) {
     if (R == 1) launch<1, true>(a, grid, s);
     else if (R == 2) launch<2, true>(a, grid, s);
+    else if (use_ws()) launch_ws<true>(a, grid, s);
     else launch<4, true>(a, grid, s);
   } else {
     if (R == 1) launch<1, false>(a, grid, s);
     else if (R == 2) launch<2, false>(a, grid, s);
+    else if (use_ws()) launch_ws<false>(a, grid, s);
     else launch<4, false>(a, grid, s);
   }
   ZI_CUDA_CHECK_LAUNCH("sparse_mla_attention");
