@@ -24,8 +24,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "check.cuh"
 #include "wgmma.cuh"
@@ -538,14 +536,15 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
     if constexpr (kWgmma) {
       // Warpgroup cg: S[64 heads, 32 entries] over 32 k-steps; Q and K both K-major.
       float(&sd)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s[0][0]);
+      // Descriptors advance by constants (start address in 16-byte units, low 14 bits).
+      const uint64_t dq = wgmma::desc_sw128(q_base, 16, 1024);
+      const uint64_t dk = wgmma::desc_sw128(k_base + n0 * 128, 16, 1024);
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < kDim / 16; ++kk) {
+        const uint32_t qoff = (kk >> 2) * (S::kHeads * 128) + (kk & 3) * 32;
         const uint32_t koff = (kk >> 2) * (kTileN * 128) + (kk & 3) * 32;
-        const uint64_t da =
-            wgmma::desc_sw128(q_base + (kk >> 2) * (S::kHeads * 128) + (kk & 3) * 32, 16, 1024);
-        const uint64_t db = wgmma::desc_sw128(k_base + koff + n0 * 128, 16, 1024);
-        wgmma::wgmma_m64n32k16_bf16(sd, da, db, kk > 0);
+        wgmma::wgmma_m64n32k16_bf16(sd, dq + (qoff >> 4), dk + (koff >> 4), kk > 0);
       }
       wgmma::commit();
       wgmma::wait<0>();
@@ -596,12 +595,15 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
     float alpha[2];
     softmax_step<NT, C>(s, valid_flags, n0, sRed + (it & 1) * (R * 16 * C), sP, rg, cg, g, q4,
                         a.scale_log2, m_run, l_run, alpha);
+    // Once the running maxima settle, most tiles leave them unchanged: skip the rescale then.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < OT; ++j) {
-      acc[j][0] *= alpha[0];
-      acc[j][1] *= alpha[0];
-      acc[j][2] *= alpha[1];
-      acc[j][3] *= alpha[1];
+      for (int j = 0; j < OT; ++j) {
+        acc[j][0] *= alpha[0];
+        acc[j][1] *= alpha[0];
+        acc[j][2] *= alpha[1];
+        acc[j][3] *= alpha[1];
+      }
     }
     if constexpr (kWgmma) {
       wgmma::fence_proxy_async();  // P (ordinary stores) -> tensor-core reads
@@ -614,15 +616,16 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
     if constexpr (kWgmma) {
       // Warpgroup cg: O[64 heads, dims 256 cg ..+256] in two N=128 halves; P K-major, V N-major
       // (the K tile read with dims contiguous: 64-dim panels 8 KB apart, 8-entry groups 1 KB).
+      const uint64_t dp = wgmma::desc_sw128(p_base, 16, 1024);
+      const uint64_t dv = wgmma::desc_sw128(k_base + cg * 4 * (kTileN * 128), kTileN * 128, 1024);
       wgmma::fence();
 #pragma unroll
       for (int ks = 0; ks < kTileN / 16; ++ks) {
-        const uint64_t da = wgmma::desc_sw128(p_base + ks * 32, 16, 1024);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           float(&od)[64] = reinterpret_cast<float(&)[64]>(acc[half * 16][0]);
-          const uint32_t v = k_base + (cg * 4 + half * 2) * (kTileN * 128) + ks * 16 * 128;
-          wgmma::wgmma_m64n128k16_bf16_tb(od, da, wgmma::desc_sw128(v, kTileN * 128, 1024), true);
+          const uint32_t voff = half * 2 * (kTileN * 128) + ks * 16 * 128;
+          wgmma::wgmma_m64n128k16_bf16_tb(od, dp + ((ks * 32) >> 4), dv + (voff >> 4), true);
         }
       }
       wgmma::commit();
@@ -651,202 +654,6 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
   cp_async_wait<0>();
 
   store_outputs<OT, C, 0>(acc, m_run, l_run, sRed, rg, cg, g, q4, a, t, head0, split);
-}
-
-// ---- Warp-specialised kernel for groups of 64 heads -----------------------------------------
-// Three warpgroups. 0 and 1 compute, as the R = 4 path above but on 32-entry tiles: S = QK^T
-// (each warpgroup 16 of the entries, wgmma m64n16) and O += PV (each half of the output dims,
-// two wgmma m64n128). 2 produces: it fetches the indices, cp.asyncs the raw rows of tile j+2 and
-// dequantises tile j into one of two bf16 tiles, so copies, dequantisation and tensor cores
-// overlap instead of taking turns. Named barriers: 1-4 row groups (max exchange), 5 the 256
-// compute threads, 6/7 "bf16 tile b full", 8/9 "bf16 tile b free", 10 the producer warpgroup.
-constexpr int kWsN = 32;                                    // entries a tile
-constexpr int kWsStages = 3;                                // raw-tile ring depth
-constexpr int kWsStageBytes = kWsN * kFp8Row + kWsN * 8;    // one raw FP8 tile
-constexpr int kWsThreads = 384;
-
-template <bool kFp8>
-struct WsSmem {
-  static constexpr int kQ = 0;                                   // 64 x 512 bf16
-  static constexpr int kK = kQ + 64 * kRowBytes;                 // 2 bf16 tiles of 32 x 512
-  static constexpr int kP = kK + 2 * kWsN * kRowBytes;           // 64 rows x 128 B (32 used)
-  static constexpr int kStage = kP + 64 * 128;                   // FP8 raw ring
-  static constexpr int kRed = kStage + (kFp8 ? kWsStages * kWsStageBytes : 0);
-  static constexpr int kRefs = kRed + 2 * 64 * 2 * 4;            // [stages][32] RowRef
-  static constexpr int kStageValid = kRefs + kWsStages * kWsN * 16;  // [stages][32] int
-  static constexpr int kValid = kStageValid + kWsStages * kWsN * 4;  // [2][32] int
-  static constexpr int kBytes = kValid + 2 * kWsN * 4;
-  static constexpr int kAlloc = kBytes + 1024;
-  static_assert(kK % 1024 == 0 && kP % 1024 == 0, "wgmma operands on 1024-byte boundaries");
-  static_assert(kAlloc <= 227 * 1024, "shared memory budget");
-};
-
-__device__ __forceinline__ void named_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
-template <bool kFp8>
-__global__ void __launch_bounds__(kWsThreads, 1) sparse_mla_ws_kernel(const KernelArgs a) {
-  using S = WsSmem<kFp8>;
-  constexpr int C = 2, NT = 2, OT = 32;
-  constexpr int kFull = 6, kFree = 8, kProducers = 10;
-
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  uint8_t* sQ = smem + S::kQ;
-  uint8_t* sK = smem + S::kK;
-  uint8_t* sP = smem + S::kP;
-  float* sRed = reinterpret_cast<float*>(smem + S::kRed);
-  RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
-  int* sStageValid = reinterpret_cast<int*>(smem + S::kStageValid);
-  int* sValid = reinterpret_cast<int*>(smem + S::kValid);
-  auto ktile = [&](int b) { return sK + b * kWsN * kRowBytes; };
-  auto stage_ptr = [&](int st) { return smem + S::kStage + st * kWsStageBytes; };
-
-  const int64_t t = blockIdx.x;
-  const int head0 = blockIdx.y * 64;
-  const int split = blockIdx.z;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // The plan counts 64-entry tiles; this kernel walks 32-entry ones.
-  const int total = a.kv.topk + a.extra.topk;
-  const int ntiles = (total + kWsN - 1) / kWsN;
-  const int tile_begin = 2 * split * a.tiles_per_split;
-  const int tile_end = min(ntiles, tile_begin + 2 * a.tiles_per_split);
-  const int n = max(0, tile_end - tile_begin);
-
-  if (warp >= 8) {
-    // ================================ producer warpgroup ====================================
-    const int p = threadIdx.x - 256;
-    for (int i = p; i < 64 * 64; i += 128) {
-      const int r = i >> 6, c = i & 63, h = head0 + r;
-      const bool valid = h < a.num_heads;
-      const __nv_bfloat16* src = a.q + t * a.q_stride_token +
-                                 static_cast<int64_t>(valid ? h : 0) * a.q_stride_head + c * 8;
-      cp_async16(smem_u32(sQ) + swz<64>(r, c), src, valid);
-    }
-    int32_t pf_slot = -1;
-    int pf_which = 0;
-    auto publish = [&](int st) {  // threads 0..31: entry p of the tile in ring slot st
-      sRefs[st * kWsN + p] = resolve<kFp8>(a, pf_slot, pf_which);
-      sStageValid[st * kWsN + p] = pf_slot >= 0;
-    };
-    // Tiles 0 and 1 (the Q copies join the first group). bf16 copies go straight into the two
-    // bf16 tiles, FP8 ones into the raw ring.
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (p < kWsN) {
-        fetch_slot<kWsN>(a, t, tile_begin + j, tile_end, p, pf_slot, pf_which);
-        publish(j);
-      }
-      named_sync(kProducers, 128);
-      if (j < n)
-        load_tile<kFp8, 128, kWsN>(sRefs + j * kWsN, a.q, kFp8 ? stage_ptr(j) : ktile(j), p);
-      cp_async_commit();
-    }
-    if (p < kWsN) fetch_slot<kWsN>(a, t, tile_begin + 2, tile_end, p, pf_slot, pf_which);
-    for (int j = 0; j < n; ++j) {
-      const int b = j & 1;
-      if constexpr (kFp8) {
-        // Raw tile j+2 into ring slot (j+2)%3, which held tile j-1 (dequantised last round).
-        if (p < kWsN) {
-          publish((j + 2) % kWsStages);
-          fetch_slot<kWsN>(a, t, tile_begin + j + 3, tile_end, p, pf_slot, pf_which);
-        }
-        named_sync(kProducers, 128);
-        if (j + 2 < n) load_tile<true, 128, kWsN>(sRefs + ((j + 2) % kWsStages) * kWsN, a.q,
-                                                  stage_ptr((j + 2) % kWsStages), p);
-        cp_async_commit();
-        cp_async_wait<2>();  // this thread's copies of tile j landed
-        named_sync(kProducers, 128);  // ... and everyone's
-        if (j >= 2) named_sync(kFree + b, kWsThreads);  // compute is done with tile j-2
-        dequant_tile<128, kWsN>(stage_ptr(j % kWsStages), ktile(b), p);
-      } else {
-        cp_async_wait<1>();  // this thread's copies of tile j landed
-      }
-      if (p < kWsN) sValid[b * kWsN + p] = sStageValid[(j % kWsStages) * kWsN + p];
-      wgmma::fence_proxy_async();
-      named_arrive(kFull + b, kWsThreads);
-      if constexpr (!kFp8) {
-        // bf16: tile j+2 goes into bf16 tile b once compute is done with tile j.
-        if (p < kWsN) {
-          publish((j + 2) % kWsStages);
-          fetch_slot<kWsN>(a, t, tile_begin + j + 3, tile_end, p, pf_slot, pf_which);
-        }
-        named_sync(kFree + b, kWsThreads);
-        if (j + 2 < n) load_tile<false, 128, kWsN>(sRefs + ((j + 2) % kWsStages) * kWsN, a.q,
-                                                   ktile(b), p);
-        cp_async_commit();
-      }
-    }
-    if constexpr (kFp8) {
-      // Match compute's "free" arrivals for the last two tiles (FP8 waits for them from j = 2).
-      for (int j = max(n, 2); j < n + 2; ++j) named_sync(kFree + (j & 1), kWsThreads);
-    }
-    cp_async_wait<0>();
-    return;
-  }
-
-  // ================================== compute warpgroups ======================================
-  const int rg = warp & 3, cg = warp >> 2;  // rows 16 rg.. of warpgroup cg's entries / dims
-  const int g = lane >> 2, q4 = lane & 3;
-  float acc[OT][4];
-#pragma unroll
-  for (int j = 0; j < OT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
-  const uint32_t q_base = smem_u32(sQ), p_base = smem_u32(sP);
-  const int n0 = cg * (kWsN / C);
-
-  for (int j = 0; j < n; ++j) {
-    const int b = j & 1;
-    named_sync(kFull + b, kWsThreads);
-    const uint32_t k_base = smem_u32(ktile(b));
-    float s[NT][4];
-    {
-      float(&sd)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s[0][0]);
-      wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < kDim / 16; ++kk) {
-        const uint64_t da = wgmma::desc_sw128(q_base + (kk >> 2) * (64 * 128) + (kk & 3) * 32,
-                                              16, 1024);
-        const uint64_t db = wgmma::desc_sw128(
-            k_base + (kk >> 2) * (kWsN * 128) + (kk & 3) * 32 + n0 * 128, 16, 1024);
-        wgmma::wgmma_m64n16k16_bf16(sd, da, db, kk > 0);
-      }
-      wgmma::commit();
-      wgmma::wait<0>();
-    }
-    float alpha[2];
-    softmax_step<NT, C>(s, sValid + b * kWsN, n0, sRed + (j & 1) * (64 * C), sP, rg, cg, g, q4,
-                        a.scale_log2, m_run, l_run, alpha);
-#pragma unroll
-    for (int jj = 0; jj < OT; ++jj) {
-      acc[jj][0] *= alpha[0];
-      acc[jj][1] *= alpha[0];
-      acc[jj][2] *= alpha[1];
-      acc[jj][3] *= alpha[1];
-    }
-    wgmma::fence_proxy_async();  // P (ordinary stores) -> tensor-core reads
-    consumer_sync<256>();        // each warpgroup reads all 64 rows of P
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < kWsN / 16; ++ks) {
-      const uint64_t da = wgmma::desc_sw128(p_base + ks * 32, 16, 1024);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float(&od)[64] = reinterpret_cast<float(&)[64]>(acc[half * 16][0]);
-        const uint32_t v = k_base + (cg * 4 + half * 2) * (kWsN * 128) + ks * 16 * 128;
-        wgmma::wgmma_m64n128k16_bf16_tb(od, da, wgmma::desc_sw128(v, kWsN * 128, 1024), true);
-      }
-    }
-    wgmma::commit();
-    wgmma::wait<0>();
-    named_arrive(kFree + b, kWsThreads);
-  }
-  store_outputs<OT, C, 256>(acc, m_run, l_run, sRed, rg, cg, g, q4, a, t, head0, split);
 }
 
 // Merge the split partials of one (token, head) per warp, in split order.
@@ -901,24 +708,6 @@ __global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const KernelArg
 
 int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
   return num_heads > 32 ? 4 : (num_heads > 16 ? 2 : 1);
-}
-
-// ZEROINFER_SPARSE_MLA_WS=0 selects the single-role R = 4 kernel for 64-head groups instead of
-// the warp-specialised one (for A/B measurements).
-bool use_ws() {
-  static const bool ws = [] {
-    const char* v = std::getenv("ZEROINFER_SPARSE_MLA_WS");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return ws;
-}
-
-template <bool kFp8>
-void launch_ws(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = WsSmem<kFp8>::kAlloc;
-  auto* kernel = sparse_mla_ws_kernel<kFp8>;
-  ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  kernel<<<grid, kWsThreads, bytes, stream>>>(a);
 }
 
 template <int R, bool kFp8>
@@ -1009,12 +798,10 @@ void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan
   if (fp8) {
     if (R == 1) launch<1, true>(a, grid, s);
     else if (R == 2) launch<2, true>(a, grid, s);
-    else if (use_ws()) launch_ws<true>(a, grid, s);
     else launch<4, true>(a, grid, s);
   } else {
     if (R == 1) launch<1, false>(a, grid, s);
     else if (R == 2) launch<2, false>(a, grid, s);
-    else if (use_ws()) launch_ws<false>(a, grid, s);
     else launch<4, false>(a, grid, s);
   }
   ZI_CUDA_CHECK_LAUNCH("sparse_mla_attention");
