@@ -1,30 +1,41 @@
 // CUDA MoE dispatch / combine (contract in zeroinfer/dispatch_combine.h).
 //
 // dispatch = routing (ids -> rows: a few hundred KB at most) + one bandwidth-bound gather.
-//  Routing, small batches (T*k <= kSmallRouteMax and its tables fit in 48 KB of shared memory):
-//   ONE block (route_small_kernel). The ids are staged in shared memory; each of 16 warps owns
-//   a contiguous run of (token, slot) entries and counts it per expert (__match_any_sync); one
-//   pass turns the per-warp counts into per-warp starting rows (prefix over the warps, then a
-//   block scan of the tile-padded totals); a second walk assigns the rows. 1 launch, no scratch.
-//  Routing, large batches: three launches over kChunk-entry chunks:
+//  Fused path (dispatch_fused_kernel; whenever its tables fit in shared memory): ONE cooperative
+//   launch of G = min(T, #SMs) blocks, 512 threads, block b owning tokens [T*b/G, T*(b+1)/G):
+//   1. L2 prefetch of the block's first x rows; ids into shared memory; each of 16 warps counts
+//      its contiguous run of (token, slot) entries per expert (__match_any_sync); per-warp
+//      exclusive prefixes; the block's per-expert counts -> workspace[b][E] (16-byte padded E).
+//   2. grid barrier (cooperative_groups grid sync: the only global synchronisation).
+//   3. every block reads the whole [G][E] count table (int4 loads, L2-resident) for the expert
+//      totals and its own prefix over earlier blocks, scans the E tile-padded totals itself,
+//      publishes counts / offsets and fills the padding rows of its own slice of experts and
+//      its share of the unused tail (row_token = -1: spread over all SMs, lane-contiguous).
+//   4. warps rank their runs (cursor = offset + earlier blocks + earlier warps) -> token_row,
+//      row_token, and the rows in shared memory;
+//   5. the block copies its own tokens: x[t] read once (kFusedUnroll vectors per thread in
+//      flight), stored to its k rows. No second barrier: a block only needs its own rows.
+//  Fallback (E too large for the fused tables, or ZEROINFER_DISPATCH_FUSED=0): count / scan /
+//   place over kChunk-entry chunks, then gather_rows_kernel:
 //   1. count: per-chunk expert counts into workspace[e][chunk] (expert-major), row_token := -1;
 //   2. scan:  one warp per expert turns its chunk counts into chunk prefixes (two passes of
 //             independent loads, no serial chain of global round trips) and writes its total;
 //   3. place: one block per chunk; each block scans the E tile-padded totals itself (block 0
 //             publishes counts / offsets), stages its ids in shared memory, and warp 0 walks them
 //             in 32-entry steps ranking equal experts with __match_any_sync.
+//   4. gather: every token's activation row is read ONCE (16-byte vectors, kGatherUnroll loads
+//      in flight per thread) and stored to its k destination rows; grid = tokens x row pieces.
 //  Either way each entry's row equals the CPU twin's serial (token, slot) order.
-//  Gather (gather_rows_kernel): every token's activation row is read ONCE (16-byte vectors,
-//  kGatherUnroll loads in flight per thread) and stored to its k destination rows; the grid is
-//  tokens x row pieces, so a few tokens already spread over many SMs.
 //
 // combine (combine_kernel): grid = tokens x row pieces; each thread owns kCombineUnroll 16-byte
 //  vectors, issues the loads of up to kCombineRows expert rows before accumulating them, and sums
 //  in slot order with fmaf (fixed order: batch-invariant, bit-identical to the previous kernel).
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -38,9 +49,12 @@ namespace {
 constexpr int kChunk = 256;                // (token, slot) entries per block in count / place
 constexpr int kPlaceThreads = 256;
 constexpr int kScanWarps = 8;              // experts per scan block (one warp each)
-constexpr int kSmallThreads = 512;         // route_small_kernel: 16 warps
-constexpr int kSmallWarps = kSmallThreads / 32;
-constexpr int64_t kSmallRouteMax = 16384;  // most (token, slot) entries routed by one block
+constexpr int kFusedThreads = 512;         // dispatch_fused_kernel: 16 warps
+constexpr int kFusedWarps = kFusedThreads / 32;
+constexpr int kFusedUnroll = 8;            // copy: vectors loaded per thread before storing
+constexpr int kFusedMaxBlocks = 1024;      // bounds the [G][E] count table in the workspace
+constexpr int kFusedMaxEntries = 16384;    // (token, slot) entries one block may own
+constexpr int64_t kFusedPrefetch = 128 * 1024;  // x bytes per block prefetched into L2
 constexpr size_t kSmemLimit = 48 * 1024;
 constexpr int kGatherThreads = 128;
 constexpr int kGatherUnroll = 4;           // vectors per thread, all loaded before storing
@@ -96,66 +110,170 @@ __device__ __forceinline__ int rank_step(int e, int lane, int32_t* cursor) {
   return row;
 }
 
-// ---- small batches: the whole routing in one block ------------------------------------------
-// Shared memory: cnt[kSmallWarps][E] int32, then the ids as int16 (E <= 32767).
-__global__ void __launch_bounds__(kSmallThreads)
-route_small_kernel(const void* ids, bool is64, int n, int topk, int num_experts, int tile,
-                   int64_t capacity, int32_t* row_token, int32_t* token_row,
-                   int32_t* expert_counts, int32_t* expert_offsets) {
-  extern __shared__ int32_t smem[];
-  int32_t* cnt = smem;
-  int16_t* sid = reinterpret_cast<int16_t*>(smem + kSmallWarps * num_experts);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < kSmallWarps * num_experts; i += blockDim.x) cnt[i] = 0;
-  for (int i = threadIdx.x; i < n; i += blockDim.x)
-    sid[i] = static_cast<int16_t>(load_id(ids, is64, i));
+// ---- fused: routing + copy in one cooperative launch ------------------------------------------
+__device__ __forceinline__ int4 operator+(int4 a, int4 b) {
+  return make_int4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// Shared memory (int32 units): red[2][NG][Ep] (int4-aligned, first), cnt[kFusedWarps][E],
+// s_base[E], s_off[E], s_tot[E], ent[max_entries] (ids, then rows).
+__host__ __device__ inline int fused_groups(int num_experts) {
+  const int q = (num_experts + 3) / 4;  // int4 columns of the count table
+  return q >= kFusedThreads ? 1 : kFusedThreads / q;
+}
+
+size_t fused_smem(int num_experts, int max_entries) {
+  const int64_t ep = (num_experts + 3) / 4 * 4;
+  return static_cast<size_t>(2 * fused_groups(num_experts) * ep +
+                             (kFusedWarps + 3) * static_cast<int64_t>(num_experts) + max_entries) *
+         sizeof(int32_t);
+}
+
+struct FusedArgs {
+  const void* ids;
+  bool is64;
+  int64_t num_tokens;
+  int topk, num_experts, tile;
+  int64_t capacity;
+  int32_t *row_token, *token_row, *expert_counts, *expert_offsets;
+  int32_t* block_counts;  // workspace: [G][Ep]
+};
+
+template <typename V>
+__global__ void __launch_bounds__(kFusedThreads, 1)
+dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sorted_x) {
+  extern __shared__ __align__(16) int32_t fsm[];
+  const int E = a.num_experts, Ep = (E + 3) / 4 * 4, Q = Ep / 4, NG = fused_groups(E);
+  int32_t* red = fsm;                       // [2][NG][Ep]: totals, then earlier-block prefixes
+  int32_t* cnt = red + 2 * NG * Ep;         // [kFusedWarps][E]
+  int32_t* s_base = cnt + kFusedWarps * E;  // first row of this block's entries, per expert
+  int32_t* s_off = s_base + E;              // segment start
+  int32_t* s_tot = s_off + E;               // routed count
+  int32_t* ent = s_tot + E;                 // ids, then rows, of this block's entries
+  const int G = gridDim.x, b = blockIdx.x, tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, k = a.topk;
+  const int64_t t0 = a.num_tokens * b / G, t1 = a.num_tokens * (b + 1) / G;
+  const int ntok = static_cast<int>(t1 - t0), ne = ntok * k;
+  const int64_t n0 = t0 * k;
+  const V* src = x + t0 * row_vecs;
+  {  // The copy's first bytes travel to L2 while the routing runs.
+    const char* p = reinterpret_cast<const char*>(src);
+    const int64_t bytes = min(static_cast<int64_t>(ntok) * row_vecs * static_cast<int64_t>(sizeof(V)),
+                              kFusedPrefetch);
+    for (int64_t o = static_cast<int64_t>(tid) * 128; o < bytes; o += kFusedThreads * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+  }
+  for (int i = tid; i < kFusedWarps * E; i += kFusedThreads) cnt[i] = 0;
+  for (int i = tid; i < ne; i += kFusedThreads) ent[i] = load_id(a.ids, a.is64, n0 + i);
   __syncthreads();
-  // Warp w owns entries [seg0, seg1): whole 32-entry steps, in entry order across warps.
-  const int seg = (n + kSmallWarps * 32 - 1) / (kSmallWarps * 32) * 32;
-  const int seg0 = min(n, warp * seg), seg1 = min(n, seg0 + seg);
-  int32_t* mine = cnt + warp * num_experts;
-  for (int s = seg0; s < seg1; s += 32) {
-    const int e = s + lane < seg1 ? sid[s + lane] : -1;
+  // Warp w owns entries [s0, s1): whole 32-entry steps, in entry order across warps.
+  const int seg = (ne + kFusedWarps * 32 - 1) / (kFusedWarps * 32) * 32;
+  const int nw = seg > 0 ? (ne + seg - 1) / seg : 0;  // warps that own entries
+  const int s0 = min(ne, warp * seg), s1 = min(ne, s0 + seg);
+  int32_t* mine = cnt + warp * E;
+  for (int s = s0; s < s1; s += 32) {
+    const int e = s + lane < s1 ? ent[s + lane] : -1;
     const unsigned peers = __match_any_sync(0xffffffffu, e);
     if (e >= 0 && lane == 31 - __clz(peers)) mine[e] += __popc(peers);
     __syncwarp();
   }
   __syncthreads();
-  // Thread owns experts [e0, e1): per-warp prefixes, then the tile-padded offsets.
-  const int per = (num_experts + blockDim.x - 1) / blockDim.x;
-  const int e0 = min(num_experts, static_cast<int>(threadIdx.x) * per);
-  const int e1 = min(num_experts, e0 + per);
+  int32_t* my_counts = a.block_counts + static_cast<int64_t>(b) * Ep;
+  for (int e = tid; e < Ep; e += kFusedThreads) {
+    int run = 0;
+    if (e < E) {
+      for (int w = 0; w < nw; ++w) {
+        const int c = cnt[w * E + e];
+        cnt[w * E + e] = run;  // per-warp exclusive prefix inside the block
+        run += c;
+      }
+    }
+    __stcg(my_counts + e, run);
+  }
+  cooperative_groups::this_grid().sync();
+  // Totals and the prefix over earlier blocks: thread (group g, column q) sums blocks g, g+NG..
+  const int4* table = reinterpret_cast<const int4*>(a.block_counts);
+  for (int idx = tid; idx < Q * NG; idx += kFusedThreads) {
+    const int q = idx % Q, g = idx / Q;
+    int4 tot = make_int4(0, 0, 0, 0), bef = tot;
+#pragma unroll 8
+    for (int bb = g; bb < G; bb += NG) {
+      const int4 v = __ldcg(table + static_cast<int64_t>(bb) * Q + q);
+      tot = tot + v;
+      if (bb < b) bef = bef + v;
+    }
+    reinterpret_cast<int4*>(red)[g * Q + q] = tot;
+    reinterpret_cast<int4*>(red)[(NG + g) * Q + q] = bef;
+  }
+  __syncthreads();
+  const int per = (E + kFusedThreads - 1) / kFusedThreads;
+  const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
   int padded_sum = 0;
   for (int e = e0; e < e1; ++e) {
-    int run = 0;
-    for (int w = 0; w < kSmallWarps; ++w) {
-      const int c = cnt[w * num_experts + e];
-      cnt[w * num_experts + e] = run;
-      run += c;
+    int tot = 0, bef = 0;
+    for (int g = 0; g < NG; ++g) {
+      tot += red[g * Ep + e];
+      bef += red[(NG + g) * Ep + e];
     }
-    expert_counts[e] = run;
-    padded_sum += pad_to(run, tile);
+    s_tot[e] = tot;
+    s_base[e] = bef;
+    padded_sum += pad_to(tot, a.tile);
   }
   int total;
   int off = block_exclusive_scan(padded_sum, &total);  // (synchronises the block)
   for (int e = e0; e < e1; ++e) {
-    const int count = expert_counts[e];  // written by this thread above
-    expert_offsets[e] = off;
-    for (int w = 0; w < kSmallWarps; ++w) cnt[w * num_experts + e] += off;
-    for (int r = off + count; r < off + pad_to(count, tile); ++r) row_token[r] = -1;
-    off += pad_to(count, tile);
+    s_off[e] = off;
+    s_base[e] += off;
+    off += pad_to(s_tot[e], a.tile);
   }
-  if (threadIdx.x == 0) expert_offsets[num_experts] = total;
-  for (int64_t r = total + static_cast<int64_t>(threadIdx.x); r < capacity; r += blockDim.x)
-    row_token[r] = -1;
   __syncthreads();
-  for (int s = seg0; s < seg1; s += 32) {
+  // This block's slice of the experts: counts, offsets and padding rows; its share of the tail.
+  const int es0 = static_cast<int>(static_cast<int64_t>(E) * b / G);
+  const int es1 = static_cast<int>(static_cast<int64_t>(E) * (b + 1) / G);
+  for (int e = es0 + tid; e < es1; e += kFusedThreads) {
+    a.expert_counts[e] = s_tot[e];
+    a.expert_offsets[e] = s_off[e];
+  }
+  if (b == G - 1 && tid == 0) a.expert_offsets[E] = total;
+  for (int e = es0 + warp; e < es1; e += kFusedWarps) {
+    const int used = s_off[e] + s_tot[e], end = s_off[e] + pad_to(s_tot[e], a.tile);
+    for (int r = used + lane; r < end; r += 32) a.row_token[r] = -1;
+  }
+  for (int64_t r = total + static_cast<int64_t>(b) * kFusedThreads + tid; r < a.capacity;
+       r += static_cast<int64_t>(G) * kFusedThreads)
+    a.row_token[r] = -1;
+  for (int i = tid; i < nw * E; i += kFusedThreads) cnt[i] += s_base[i % E];
+  __syncthreads();
+  for (int s = s0; s < s1; s += 32) {
     const int i = s + lane;
-    const int e = i < seg1 ? sid[i] : -1;
+    const int e = i < s1 ? ent[i] : -1;
     const int row = rank_step(e, lane, mine);
-    if (i < seg1) {
-      token_row[i] = row;
-      if (row >= 0) row_token[row] = i / topk;
+    if (i < s1) {
+      ent[i] = row;
+      a.token_row[n0 + i] = row;
+      if (row >= 0) a.row_token[row] = static_cast<int32_t>(t0 + i / k);
+    }
+  }
+  __syncthreads();
+  // Copy: item = (local token, vector); x read once, stored to the token's k rows.
+  const unsigned items = static_cast<unsigned>(ntok) * static_cast<unsigned>(row_vecs);
+  for (unsigned base = tid; base < items; base += kFusedThreads * kFusedUnroll) {
+    V vals[kFusedUnroll];
+#pragma unroll
+    for (int u = 0; u < kFusedUnroll; ++u) {
+      const unsigned it = base + u * kFusedThreads;
+      if (it < items) vals[u] = __ldg(src + it);
+    }
+#pragma unroll
+    for (int u = 0; u < kFusedUnroll; ++u) {
+      const unsigned it = base + u * kFusedThreads;
+      if (it >= items) continue;
+      const unsigned tl = it / static_cast<unsigned>(row_vecs);
+      const unsigned v = it - tl * static_cast<unsigned>(row_vecs);
+      for (int j = 0; j < k; ++j) {
+        const int row = ent[tl * k + j];
+        if (row >= 0) sorted_x[static_cast<int64_t>(row) * row_vecs + v] = vals[u];
+      }
     }
   }
 }
@@ -418,80 +536,142 @@ void combine_w(const MoeCombineParams& p, cudaStream_t s) {
   else combine_out<TIn, uint16_t>(p, s);
 }
 
-size_t small_route_smem(int64_t n, int64_t num_experts) {
-  return static_cast<size_t>(kSmallWarps * num_experts) * sizeof(int32_t) +
-         static_cast<size_t>(n) * sizeof(int16_t);
-}
-
-bool use_small_route(int64_t n, int64_t num_experts) {
-  return n <= kSmallRouteMax && num_experts <= 32767 &&
-         small_route_smem(n, num_experts) <= kSmemLimit;
-}
-
 int num_chunks(int64_t n) { return static_cast<int>(std::max<int64_t>(1, (n + kChunk - 1) / kChunk)); }
+
+// Per-device facts, queried once per device (the launch path stays free of attribute queries).
+struct DeviceLimits {
+  int sms = 0;
+  int smem_optin = 0;
+};
+
+DeviceLimits device_limits() {
+  constexpr int kMaxDevices = 64;
+  static DeviceLimits cache[kMaxDevices];
+  int dev = 0;
+  ZI_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) dev = 0;
+  DeviceLimits& d = cache[dev];
+  if (d.sms == 0) {  // benign race: every writer stores the same values
+    DeviceLimits q;
+    ZI_CUDA_CHECK(cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev));
+    ZI_CUDA_CHECK(cudaDeviceGetAttribute(&q.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    d.smem_optin = q.smem_optin;
+    d.sms = q.sms;
+  }
+  return d;
+}
+
+// ZEROINFER_DISPATCH_FUSED=0 forces the count / scan / place + gather path (tests, A/B runs).
+bool fused_allowed() {
+  const char* v = std::getenv("ZEROINFER_DISPATCH_FUSED");
+  return v == nullptr || v[0] != '0';
+}
+
+int64_t fused_workspace_bytes(int64_t num_tokens, int64_t num_experts) {
+  const int64_t blocks = std::min<int64_t>(std::max<int64_t>(num_tokens, 1), kFusedMaxBlocks);
+  return blocks * ((num_experts + 3) / 4 * 4) * static_cast<int64_t>(sizeof(int32_t));
+}
+
+// Launches dispatch_fused_kernel<V> if its tables fit; false (nothing launched) otherwise.
+template <typename V>
+bool try_fused(const MoeDispatchParams& p, int64_t row_bytes, void* workspace, cudaStream_t stream) {
+  if (!fused_allowed() || p.num_experts > (1 << 20)) return false;
+  const DeviceLimits dl = device_limits();
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>({p.num_tokens, static_cast<int64_t>(dl.sms), kFusedMaxBlocks}));
+  const int64_t max_tokens = (p.num_tokens + blocks - 1) / blocks;
+  const int64_t max_entries = max_tokens * p.topk;
+  const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(V));
+  if (max_entries > kFusedMaxEntries || max_tokens * row_vecs >= (int64_t{1} << 31)) return false;
+  const int num_experts = static_cast<int>(p.num_experts);
+  const size_t smem = fused_smem(num_experts, static_cast<int>(max_entries));
+  // The kernel's static shared memory (block scan + grid sync scratch) comes on top.
+  if (smem + 1024 > static_cast<size_t>(dl.smem_optin)) return false;
+  if (smem + 1024 > kSmemLimit) {  // (large E only: V4's 256 experts stay under 48 KB)
+    ZI_CUDA_CHECK(cudaFuncSetAttribute(dispatch_fused_kernel<V>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+  }
+  FusedArgs args{p.topk_ids,      p.ids_dtype == DType::kInt64, p.num_tokens,
+                 static_cast<int>(p.topk), num_experts, static_cast<int>(p.tile),
+                 p.capacity,      p.row_token, p.token_row, p.expert_counts, p.expert_offsets,
+                 static_cast<int32_t*>(workspace)};
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kFusedThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t err =
+      cudaLaunchKernelEx(&cfg, dispatch_fused_kernel<V>, args, static_cast<const V*>(p.x),
+                         static_cast<int>(row_vecs), static_cast<V*>(p.sorted_x));
+  if (err == cudaErrorCooperativeLaunchTooLarge) {  // fewer SMs than reported (e.g. MPS)
+    (void)cudaGetLastError();
+    return false;
+  }
+  ZI_CUDA_CHECK(err);
+  ZI_CUDA_CHECK_LAUNCH("moe_dispatch fused");
+  return true;
+}
+
+template <typename V>
+void dispatch_with(const MoeDispatchParams& p, int64_t row_bytes, void* workspace,
+                   cudaStream_t stream) {
+  if (try_fused<V>(p, row_bytes, workspace, stream)) return;
+  const int64_t n = p.num_tokens * p.topk;
+  const int num_experts = static_cast<int>(p.num_experts);
+  const bool is64 = p.ids_dtype == DType::kInt64;
+  // place_kernel: cursor[E] dynamic + sid[kChunk] and the scan's 32 ints static, in 48 KB.
+  const size_t smem = static_cast<size_t>(num_experts) * sizeof(int32_t);
+  constexpr size_t kPlaceStatic = (kChunk + 32) * sizeof(int32_t);
+  if (smem + kPlaceStatic > kSmemLimit) {
+    throw std::invalid_argument(
+        "moe_dispatch (CUDA): num_experts too large for one block (max " +
+        std::to_string((kSmemLimit - kPlaceStatic) / sizeof(int32_t)) + ")");
+  }
+  const int chunks = num_chunks(n);
+  auto* chunk_counts = static_cast<int32_t*>(workspace);
+  int32_t* totals = chunk_counts + static_cast<int64_t>(chunks) * num_experts;
+  count_kernel<<<chunks, kPlaceThreads, smem, stream>>>(p.topk_ids, is64, n, num_experts, chunks,
+                                                        chunk_counts, p.row_token, p.capacity);
+  ZI_CUDA_CHECK_LAUNCH("moe_dispatch count");
+  scan_kernel<<<(num_experts + kScanWarps - 1) / kScanWarps, kScanWarps * 32, 0, stream>>>(
+      chunk_counts, chunks, num_experts, totals);
+  ZI_CUDA_CHECK_LAUNCH("moe_dispatch scan");
+  place_kernel<<<chunks, kPlaceThreads, smem, stream>>>(
+      p.topk_ids, is64, n, static_cast<int>(p.topk), num_experts, static_cast<int>(p.tile),
+      chunks, chunk_counts, totals, p.row_token, p.token_row, p.expert_counts, p.expert_offsets);
+  ZI_CUDA_CHECK_LAUNCH("moe_dispatch place");
+  if (p.num_tokens == 0 || p.hidden == 0) return;
+  launch_gather<V>(p, row_bytes, stream);
+}
 
 }  // namespace
 
 int64_t moe_dispatch_workspace_bytes(int64_t num_tokens, int64_t topk, int64_t num_experts) {
   const int64_t n = num_tokens * topk;
-  if (use_small_route(n, num_experts)) return 1;  // route_small_kernel needs no scratch
-  // chunk counts [E][chunks] + expert totals [E]
-  return (static_cast<int64_t>(num_chunks(n)) + 1) * num_experts *
-         static_cast<int64_t>(sizeof(int32_t));
+  // fallback: chunk counts [E][chunks] + expert totals [E]; fused: block counts [G][Ep]
+  const int64_t fallback = (static_cast<int64_t>(num_chunks(n)) + 1) * num_experts *
+                           static_cast<int64_t>(sizeof(int32_t));
+  return std::max(fallback, fused_workspace_bytes(num_tokens, num_experts));
 }
 
 void moe_dispatch_cuda(const MoeDispatchParams& p, void* workspace, void* stream_ptr) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  const int64_t n = p.num_tokens * p.topk;
-  const int num_experts = static_cast<int>(p.num_experts);
-  const int tile = static_cast<int>(p.tile);
-  const bool is64 = p.ids_dtype == DType::kInt64;
-  if (use_small_route(n, num_experts)) {
-    // The kernel's own static shared memory (block scan scratch) comes on top of the dynamic
-    // part, so a dynamic size right at 48 KB needs the opt-in.
-    const size_t smem = small_route_smem(n, num_experts);
-    ZI_CUDA_CHECK(cudaFuncSetAttribute(route_small_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
-    route_small_kernel<<<1, kSmallThreads, smem, stream>>>(
-        p.topk_ids, is64, static_cast<int>(n), static_cast<int>(p.topk), num_experts, tile,
-        p.capacity, p.row_token, p.token_row, p.expert_counts, p.expert_offsets);
-    ZI_CUDA_CHECK_LAUNCH("moe_dispatch route");
-  } else {
-    // place_kernel: cursor[E] dynamic + sid[kChunk] and the scan's 32 ints static, in 48 KB.
-    const size_t smem = static_cast<size_t>(num_experts) * sizeof(int32_t);
-    constexpr size_t kPlaceStatic = (kChunk + 32) * sizeof(int32_t);
-    if (smem + kPlaceStatic > kSmemLimit) {
-      throw std::invalid_argument(
-          "moe_dispatch (CUDA): num_experts too large for one block (max " +
-          std::to_string((kSmemLimit - kPlaceStatic) / sizeof(int32_t)) + ")");
-    }
-    const int chunks = num_chunks(n);
-    auto* chunk_counts = static_cast<int32_t*>(workspace);
-    int32_t* totals = chunk_counts + static_cast<int64_t>(chunks) * num_experts;
-    count_kernel<<<chunks, kPlaceThreads, smem, stream>>>(p.topk_ids, is64, n, num_experts,
-                                                          chunks, chunk_counts, p.row_token,
-                                                          p.capacity);
-    ZI_CUDA_CHECK_LAUNCH("moe_dispatch count");
-    scan_kernel<<<(num_experts + kScanWarps - 1) / kScanWarps, kScanWarps * 32, 0, stream>>>(
-        chunk_counts, chunks, num_experts, totals);
-    ZI_CUDA_CHECK_LAUNCH("moe_dispatch scan");
-    place_kernel<<<chunks, kPlaceThreads, smem, stream>>>(
-        p.topk_ids, is64, n, static_cast<int>(p.topk), num_experts, tile, chunks, chunk_counts,
-        totals, p.row_token, p.token_row, p.expert_counts, p.expert_offsets);
-    ZI_CUDA_CHECK_LAUNCH("moe_dispatch place");
-  }
-  if (p.num_tokens == 0 || p.hidden == 0) return;
   const int64_t row_bytes = p.hidden * (p.x_dtype == DType::kFloat32 ? 4
                                         : p.x_dtype == DType::kBFloat16 ? 2 : 1);
   // The widest vector that divides the row and both base addresses.
   const uintptr_t align = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.sorted_x) |
                           static_cast<uintptr_t>(row_bytes);
-  if (align % 16 == 0) launch_gather<uint4>(p, row_bytes, stream);
-  else if (align % 8 == 0) launch_gather<uint2>(p, row_bytes, stream);
-  else if (align % 4 == 0) launch_gather<uint32_t>(p, row_bytes, stream);
-  else if (align % 2 == 0) launch_gather<uint16_t>(p, row_bytes, stream);
-  else launch_gather<uint8_t>(p, row_bytes, stream);
+  if (align % 16 == 0) dispatch_with<uint4>(p, row_bytes, workspace, stream);
+  else if (align % 8 == 0) dispatch_with<uint2>(p, row_bytes, workspace, stream);
+  else if (align % 4 == 0) dispatch_with<uint32_t>(p, row_bytes, workspace, stream);
+  else if (align % 2 == 0) dispatch_with<uint16_t>(p, row_bytes, workspace, stream);
+  else dispatch_with<uint8_t>(p, row_bytes, workspace, stream);
 }
 
 void moe_combine_cuda(const MoeCombineParams& p, void* stream_ptr) {

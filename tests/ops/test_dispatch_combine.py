@@ -247,21 +247,34 @@ def test_cuda_combine_matches_cpu(gen, in_dtype, out_dtype, T, k, D):
     assert_close_to_ref(got, cpu, tol=tol, name="CUDA vs CPU twin")
 
 
-# The CUDA dispatch routes with one block (route_small_kernel) when T*k <= 16384 and
-# 16 warps x E counters + the ids fit 48 KB, else with count / scan / place over 256-entry
-# chunks; these cases sit on both sides of each limit.
+# The CUDA dispatch runs ONE cooperative kernel (routing + copy, G = min(T, #SMs) blocks) when
+# its tables fit in shared memory, else count / scan / place + gather;
+# ZEROINFER_DISPATCH_FUSED=0 forces the latter. Every case runs on both paths.
+PATHS = ["fused", "fallback"]
+
+
+def set_path(monkeypatch, path):
+    monkeypatch.setenv("ZEROINFER_DISPATCH_FUSED", "1" if path == "fused" else "0")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("T,k,E,tile,drop", [
-    (2048, 8, 256, 64, 0.0),    # n = 16384: the largest single-block routing
-    (2731, 6, 256, 64, 0.05),   # n = 16386: count / scan / place, 65 chunks
-    (5, 4, 1000, 8, 0.0),       # E too large for the single block: one-chunk multi-launch path
-    (3000, 6, 256, 128, 0.3),   # many chunks, big tile, many dropped slots
-    (700, 6, 768, 16, 0.0),     # 16 x 768 counters + ids overflow 48 KB: multi-launch
-    (200, 6, 700, 16, 0.0),     # 16 x 700 counters + ids fit: single block, large E
-    (4000, 6, 64, 16, 1.0),     # everything dropped, multi-launch
+    (2048, 8, 256, 64, 0.0),    # more tokens than SMs, uneven split over the blocks
+    (2731, 6, 256, 64, 0.05),
+    (1, 6, 256, 64, 0.0),       # one block
+    (5, 4, 1000, 8, 0.0),       # fewer tokens than SMs; 2 experts per thread in the scan
+    (3000, 6, 256, 128, 0.3),   # big tile, many dropped slots
+    (700, 6, 768, 16, 0.0),
+    (200, 6, 701, 16, 0.0),     # E not a multiple of 4 (padded count table)
+    (50, 6, 2500, 8, 0.1),      # 625 int4 columns > 512 threads: one block group; >48 KB smem
+    (5, 4, 3000, 8, 0.0),       # tables too large for the fused kernel: fallback either way
+    (4000, 6, 64, 16, 1.0),     # everything dropped
+    (1500, 1, 3, 1, 0.0),       # k = 1, tile = 1, few experts
 ])
-def test_cuda_dispatch_routing_paths(gen, ids_dtype, T, k, E, tile, drop):
+def test_cuda_dispatch_routing_paths(gen, monkeypatch, path, ids_dtype, T, k, E, tile, drop):
+    set_path(monkeypatch, path)
     D = 24
     x = random_x(gen, T, D, torch.bfloat16)
     ids = random_ids(gen, T, k, E, drop=drop, ids_dtype=ids_dtype)
@@ -272,6 +285,21 @@ def test_cuda_dispatch_routing_paths(gen, ids_dtype, T, k, E, tile, drop):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("T", [0, 1, 300])
+def test_cuda_dispatch_skewed_paths(gen, monkeypatch, path, T):
+    set_path(monkeypatch, path)
+    k, E, tile, D = 6, 256, 64, 520
+    x = random_x(gen, T, D, torch.bfloat16)
+    ids = random_ids(gen, T, k, E, skew=True)
+    d = moe_dispatch(x.cuda(), ids.cuda(), E, tile=tile,
+                     out=poisoned_dispatch(x, T, k, E, tile, device="cuda"))
+    torch.cuda.synchronize()
+    assert_dispatch_matches(d, x, ids, E, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype,D,offset", [
     (torch.bfloat16, 8, 0),         # 16-byte vectors
     (torch.bfloat16, 4, 0),         # 8-byte
@@ -281,8 +309,10 @@ def test_cuda_dispatch_routing_paths(gen, ids_dtype, T, k, E, tile, drop):
     (torch.float32, 4096, 1),       # x 4 bytes off 16-byte alignment: 4-byte vectors
     (torch.bfloat16, 4104, 0),      # 513 vectors of 16 B: a second, 1-vector gather piece
     (torch.bfloat16, 7168, 0),      # V4 hidden size: 2 pieces
+    (torch.float8_e4m3fn, 4097, 0),  # 1-byte vectors, 4097 per row: several copy batches
 ])
-def test_cuda_dispatch_gather_vector_widths(gen, dtype, D, offset):
+def test_cuda_dispatch_gather_vector_widths(gen, monkeypatch, path, dtype, D, offset):
+    set_path(monkeypatch, path)
     T, k, E, tile = 37, 6, 16, 8
     base = random_x(gen, T * D + offset, 1, dtype).view(-1)
     x = base[offset:].view(T, D)
@@ -317,8 +347,8 @@ def test_cuda_combine_paths(gen, in_dtype, out_dtype, T, k, D, out_offset):
 
 @pytest.mark.gpu
 def test_cuda_round_trip_is_batch_invariant(gen):
-    """On the GPU too: a token's combined row is bit-identical alone or in a batch of 3000
-    (the batch takes the multi-launch routing, the single token the one-block routing)."""
+    """On the GPU too: a token's combined row is bit-identical alone (one block) or in a batch
+    of 3000 (every SM)."""
     T, k, E, D = 3000, 6, 64, 512
     x = random_x(gen, T, D, torch.bfloat16).cuda()
     ids = random_ids(gen, T, k, E).cuda()
@@ -331,3 +361,30 @@ def test_cuda_round_trip_is_batch_invariant(gen):
     full = run(x, ids, w)
     for t in (0, 1234, T - 1):
         assert torch.equal(run(x[t : t + 1], ids[t : t + 1], w[t : t + 1])[0], full[t])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_cuda_dispatch_in_cuda_graph(gen, monkeypatch, path):
+    """The fused path is a cooperative launch: it must capture into a CUDA graph and replay
+    (new ids and x copied into the captured inputs) to the reference result."""
+    set_path(monkeypatch, path)
+    T, k, E, tile, D = 700, 6, 256, 64, 256
+    x = torch.empty(T, D, dtype=torch.bfloat16, device="cuda")
+    ids = torch.empty(T, k, dtype=torch.int32, device="cuda")
+    out = poisoned_dispatch(x, T, k, E, tile, device="cuda")
+    x.copy_(random_x(gen, T, D, torch.bfloat16))
+    ids.copy_(random_ids(gen, T, k, E))
+    moe_dispatch(x, ids, E, tile=tile, out=out)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_dispatch(x, ids, E, tile=tile, out=out)
+    for _ in range(2):
+        xs, ids_s = random_x(gen, T, D, torch.bfloat16), random_ids(gen, T, k, E, drop=0.1)
+        x.copy_(xs)
+        ids.copy_(ids_s)
+        out.sorted_x.view(torch.uint8).fill_(0x7F)
+        out.row_token.fill_(POISON_ROW)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_dispatch_matches(out, xs, ids_s, E, tile)
