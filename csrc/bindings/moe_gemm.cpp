@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <stdexcept>
 
 #include "registry.h"
 #include "zeroinfer/moe_gemm.h"
@@ -47,6 +48,59 @@ void register_moe_gemm(py::module_& m) {
       py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("masked_m"), py::arg("out"),
       py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
       py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"));
+  m.def(
+      "mxfp4_grouped_gemm_cuda",
+      [](uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t w_packed, int64_t n_pad,
+         int64_t k_pad, bool gate_up_interleaved, bool wide_scales, uintptr_t expert_offsets,
+         uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out, int out_dtype,
+         int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k, bool fuse_swiglu,
+         std::optional<double> swiglu_limit, int tile, uintptr_t stream) {
+#ifdef ZEROINFER_WITH_CUDA
+        Mxfp4CudaGemmParams p;
+        p.a = as_ptr<const void>(a);
+        p.a_dtype = static_cast<DType>(a_dtype);
+        p.a_scale = as_ptr<const float>(a_scale);
+        p.w_packed = as_ptr<const uint8_t>(w_packed);
+        p.n_pad = n_pad;
+        p.k_pad = k_pad;
+        p.gate_up_interleaved = gate_up_interleaved;
+        p.wide_scales = wide_scales;
+        p.expert_offsets = as_ptr<const int32_t>(expert_offsets);
+        p.expert_counts = as_ptr<const int32_t>(expert_counts);
+        p.masked_m = as_ptr<const int32_t>(masked_m);
+        p.out = as_ptr<void>(out);
+        p.out_dtype = static_cast<DType>(out_dtype);
+        p.num_experts = num_experts;
+        p.m = m_rows;
+        p.cap = cap;
+        p.n = n;
+        p.k = k;
+        p.fuse_swiglu = fuse_swiglu;
+        p.has_swiglu_limit = swiglu_limit.has_value();
+        p.swiglu_limit = swiglu_limit ? static_cast<float>(*swiglu_limit) : 0.f;
+        p.tile = tile;
+        py::gil_scoped_release nogil;
+        mxfp4_grouped_gemm_cuda(p, as_ptr<void>(stream));
+#else
+        (void)a, (void)a_dtype, (void)a_scale, (void)w_packed, (void)n_pad, (void)k_pad;
+        (void)gate_up_interleaved, (void)wide_scales, (void)expert_offsets, (void)expert_counts;
+        (void)masked_m, (void)out, (void)out_dtype, (void)num_experts, (void)m_rows, (void)cap;
+        (void)n, (void)k, (void)fuse_swiglu, (void)swiglu_limit, (void)tile, (void)stream;
+        throw std::runtime_error("zeroinfer._C was built without CUDA");
+#endif
+      },
+      "MXFP4 grouped GEMM, CUDA (packed weights from zeroinfer.ops.mxfp4_prepack; see "
+      "zeroinfer.ops.mxfp4_grouped_gemm; no validation of tensor sizes here)",
+      py::arg("a"), py::arg("a_dtype"), py::arg("a_scale"), py::arg("w_packed"), py::arg("n_pad"),
+      py::arg("k_pad"), py::arg("gate_up_interleaved"), py::arg("wide_scales"),
+      py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("masked_m"), py::arg("out"),
+      py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
+      py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"), py::arg("tile"),
+      py::arg("stream"));
+  m.attr("MXFP4_BLOCK_BYTES") = kMxfp4BlockBytes;
+  m.attr("MXFP4_PACK_ROWS") = kMxfp4PackRows;
+  m.attr("MXFP4_PACK_K") = kMxfp4PackK;
+  m.attr("MXFP4_CUDA_MAX_EXPERTS") = kMxfp4CudaMaxExperts;
 }
 
 }  // namespace zi::bindings

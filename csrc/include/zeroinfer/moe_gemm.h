@@ -60,4 +60,57 @@ struct Mxfp4GemmParams {
 // std::invalid_argument on inconsistent parameters (the Python layer validates first).
 void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p);
 
+// ---- CUDA (sm_90a) ------------------------------------------------------------------------------
+// The CUDA kernels read the weights in a one-time REPACKED layout (zeroinfer.ops.mxfp4_prepack),
+// not the checkpoint layout above:
+//   packed uint8 [num_experts, n_pad / 16, k_pad / 64, kMxfp4BlockBytes]
+// One block = 16 weight rows x 64 k: 512 bytes of e2m1 nibbles in mma-fragment order (lane L's 16
+// bytes at L*16 hold exactly its A-fragment nibbles for the 4 k16 / 2 k32 steps of the block)
+// followed by the block's 32 UE8M0 scale bytes (8 lane groups x 4). n_pad is a multiple of
+// kMxfp4PackRows, k_pad of kMxfp4PackK; padding rows/columns hold zero weights (scale byte 127).
+// With gate_up_interleaved (for fuse_swiglu) each 16-row block holds gate rows 8b..8b+7 followed by
+// up rows n/2 + 8b..8b+7, so a thread holds both halves of its SwiGLU pair. The exact bit layout
+// is documented (and built) in python/zeroinfer/ops/moe_gemm.py (_block_maps).
+constexpr int kMxfp4BlockBytes = 544;
+constexpr int kMxfp4PackRows = 128;
+constexpr int kMxfp4PackK = 128;
+
+struct Mxfp4CudaGemmParams {
+  // Activations: kBFloat16 (W4A16) or kFloat8E4M3 (W4A8, with a_scale), layout as in
+  // Mxfp4GemmParams (row stride k).
+  const void* a = nullptr;
+  DType a_dtype = DType::kBFloat16;
+  const float* a_scale = nullptr;
+  const uint8_t* w_packed = nullptr;  // see above
+  int64_t n_pad = 0;                  // packed rows per expert (multiple of kMxfp4PackRows)
+  int64_t k_pad = 0;                  // packed k (multiple of kMxfp4PackK), >= k
+  bool gate_up_interleaved = false;   // must equal fuse_swiglu
+  // Some scale byte is > 128 (2^(s-1) no longer fits bf16 when folded with the e2m1 decode bias):
+  // the bf16 path then scales in two exact steps. Always safe to set.
+  bool wide_scales = true;
+  const int32_t* expert_offsets = nullptr;  // as in Mxfp4GemmParams (read on the device)
+  const int32_t* expert_counts = nullptr;
+  const int32_t* masked_m = nullptr;
+  void* out = nullptr;
+  DType out_dtype = DType::kBFloat16;
+  int64_t num_experts = 0;
+  int64_t m = 0;
+  int64_t cap = 0;
+  int64_t n = 0;  // logical weight rows per expert
+  int64_t k = 0;  // logical reduction length (multiple of 32; of 128 for float8)
+  bool fuse_swiglu = false;
+  bool has_swiglu_limit = false;
+  float swiglu_limit = 0.f;
+  // 0: choose the tile from the shapes (never from device values); 1: small-M tile (64 weight rows
+  // x 32 tokens, decode); 2: large-M tile (256 x 128). Every tile gives bitwise the same result.
+  int tile = 0;
+};
+
+// Largest num_experts the CUDA kernel takes (its per-CTA schedule lives in shared memory).
+constexpr int64_t kMxfp4CudaMaxExperts = 2048;
+
+// Launches on `stream` (a cudaStream_t); no host synchronisation, no allocation. Row counts are
+// read on the device (clamped into range, so bad routing values cannot fault).
+void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream);
+
 }  // namespace zi

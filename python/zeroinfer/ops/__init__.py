@@ -7,7 +7,8 @@ float64 pure-torch reference, `<name>_ref`, which the tests use as the oracle.
 
 from zeroinfer.ops.dispatch_combine import MoeDispatch, moe_combine, moe_dispatch
 from zeroinfer.ops.length_correction import CorrectedLengths, correct_lengths
-from zeroinfer.ops.moe_gemm import mxfp4_grouped_gemm
+from zeroinfer.ops.moe_gemm import (Mxfp4PackedWeights, mxfp4_grouped_gemm, mxfp4_prepack,
+                                     mxfp4_unpack)
 from zeroinfer.ops.sparse_mla import sparse_mla_attention
 from zeroinfer.reference.dispatch_combine import moe_combine_ref, moe_dispatch_ref
 from zeroinfer.reference.length_correction import correct_lengths_ref
@@ -17,6 +18,7 @@ from zeroinfer.reference.sparse_mla import sparse_mla_attention_ref
 __all__ = [
     "CorrectedLengths",
     "MoeDispatch",
+    "Mxfp4PackedWeights",
     "correct_lengths",
     "correct_lengths_ref",
     "moe_combine",
@@ -25,6 +27,8 @@ __all__ = [
     "moe_dispatch_ref",
     "mxfp4_grouped_gemm",
     "mxfp4_grouped_gemm_ref",
+    "mxfp4_prepack",
+    "mxfp4_unpack",
     "sparse_mla_attention",
     "sparse_mla_attention_ref",
 ]

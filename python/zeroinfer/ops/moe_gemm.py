@@ -1,15 +1,20 @@
 """mxfp4_grouped_gemm: the routed-expert GEMM of DeepSeek-V4 with MXFP4 weights.
 
-CPU tensors run the C++ twin (zeroinfer._C.mxfp4_grouped_gemm_cpu). CUDA tensors run an INTERIM
-torch path (dequantize + matmul per expert) until the Hopper kernel lands.
+CPU tensors run the C++ twin (zeroinfer._C.mxfp4_grouped_gemm_cpu). CUDA tensors with bfloat16
+(W4A16) or float8_e4m3fn (W4A8) activations run the sm_90a kernel (zeroinfer._C.
+mxfp4_grouped_gemm_cuda, csrc/cuda/moe_gemm.cu), which reads the weights in a one-time repacked
+layout: `mxfp4_prepack(w, w_scale) -> Mxfp4PackedWeights`, passed in place of `w` (with
+`w_scale=None`). Float32 activations on CUDA keep the INTERIM torch path (dequantize + matmul).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from zeroinfer import _C
-from zeroinfer.ops._backend import dtype_code, ptr, use_cuda
+from zeroinfer.ops._backend import dtype_code, ptr, stream_of, use_cuda
 from zeroinfer.ops._checks import check_float, check_no_alias, check_tensor
 
 _OP = "mxfp4_grouped_gemm"
@@ -24,10 +29,207 @@ def _name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
+_INT32_LIMIT = 2**31
+# Tile shape of the CUDA kernel: 0 = chosen from the shapes, 1 = small-M, 2 = large-M. Tests set
+# it to run both shapes on the same inputs (every shape gives bitwise the same result).
+_FORCE_TILE = 0
+
+
+# --------------------------------------------------------------------------------------------
+# The CUDA kernel's weight layout (one-time repack; csrc/include/zeroinfer/moe_gemm.h).
+#
+#   data: uint8 [E, n_pad / 16, k_pad / 64, 544]
+#
+# A block covers 16 (packed) weight rows x 64 k. Bytes 0..511 hold the 1024 nibbles in mma
+# fragment order: lane L = 4g + t (g = L // 4, t = L % 4) owns bytes 16L..16L+15 = four
+# little-endian 32-bit words; word w = 2s + h (s: 32-group of the block, h: 16-half of it) holds
+# nibble slots 0..7 (slot i = bits 4i..4i+3):
+#   slot 3, 7, 1, 5: row g,     k = 32s + 16h + 4t + 0, 1, 2, 3
+#   slot 2, 6, 0, 4: row g + 8, k = 32s + 16h + 4t + 0, 1, 2, 3
+# Bytes 512..543 hold the UE8M0 scales: byte 4g + c = (row g, group 0), (row g, group 1),
+# (row g + 8, group 0), (row g + 8, group 1) for c = 0..3. Rows are padded to a multiple of
+# MXFP4_PACK_ROWS and k to a multiple of MXFP4_PACK_K with zero nibbles and scale byte 127.
+# With fuse_swiglu the packed block b holds gate rows 8b..8b+7 (positions 0..7) and up rows
+# N/2 + 8b..8b+7 (positions 8..15), so each thread owns the gate and up value of an output.
+# --------------------------------------------------------------------------------------------
+_SLOT_ROW_J = {3: (0, 0), 7: (0, 1), 1: (0, 2), 5: (0, 3), 2: (8, 0), 6: (8, 1), 0: (8, 2),
+               4: (8, 3)}
+_BLOCK_MAPS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _block_maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nibble map [1024], scale map [32]) of one packed block: packed nibble position
+    (lane * 32 + word * 8 + slot) -> row * 64 + k, and scale byte position -> row * 2 + group."""
+    maps = _BLOCK_MAPS.get(device)
+    if maps is None:
+        nib = torch.empty(1024, dtype=torch.long)
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for word in range(4):
+                s, h = divmod(word, 2)
+                for slot in range(8):
+                    dr, j = _SLOT_ROW_J[slot]
+                    nib[lane * 32 + word * 8 + slot] = (g + dr) * 64 + 32 * s + 16 * h + 4 * t + j
+        sc = torch.empty(32, dtype=torch.long)
+        for g in range(8):
+            for c, (dr, grp) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
+                sc[4 * g + c] = (g + dr) * 2 + grp
+        maps = (nib.to(device), sc.to(device))
+        _BLOCK_MAPS[device] = maps
+    return maps
+
+
+def _packed_rows(n: int, fuse_swiglu: bool, device: torch.device) -> tuple[int, torch.Tensor]:
+    """(n_pad, src): packed row p holds checkpoint row src[p] (-1: a zero padding row)."""
+    rt = _C.MXFP4_PACK_ROWS
+    if fuse_swiglu:
+        h = n // 2
+        hp = -(-h // (rt // 2)) * (rt // 2)
+        n_pad = 2 * hp
+        p = torch.arange(n_pad, device=device)
+        q = p % 16
+        hh = 8 * (p // 16) + q % 8
+        src = torch.where(q < 8, hh, h + hh)
+        src = torch.where(hh < h, src, torch.full_like(src, -1))
+    else:
+        n_pad = -(-n // rt) * rt
+        p = torch.arange(n_pad, device=device)
+        src = torch.where(p < n, p, torch.full_like(p, -1))
+    return n_pad, src
+
+
+@dataclass(frozen=True, eq=False)
+class Mxfp4PackedWeights:
+    """MXFP4 expert weights repacked for the CUDA kernel (see ``mxfp4_prepack``).
+
+    data: uint8 ``[E, n_pad/16, k_pad/64, 544]``; n, k: the checkpoint's N and K; fuse_swiglu:
+    gate/up rows interleaved (use only with ``fuse_swiglu=True`` calls); wide_scales: some scale
+    byte may exceed 128 (the bf16 path then scales in two exact steps)."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    fuse_swiglu: bool
+    wide_scales: bool
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def n_pad(self) -> int:
+        return self.data.shape[1] * 16
+
+    @property
+    def k_pad(self) -> int:
+        return self.data.shape[2] * 64
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device: torch.device | str) -> Mxfp4PackedWeights:
+        return Mxfp4PackedWeights(self.data.to(device), self.n, self.k, self.fuse_swiglu,
+                                  self.wide_scales)
+
+
+def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool = False,
+                  check_scales: bool = True) -> Mxfp4PackedWeights:
+    """Repack checkpoint MXFP4 weights (``w`` ``[E, N, K/2]`` e2m1 pairs, ``w_scale``
+    ``[E, N, K/32]`` UE8M0) into the CUDA kernel's layout, on their device, with torch ops.
+
+    fuse_swiglu: interleave the gate (first N/2 rows) and up (last N/2 rows) halves for the
+    fused gate/up GEMM; the result then only serves ``fuse_swiglu=True`` calls.
+    check_scales: look at the scale values once (a host sync) to enable the one-multiply bf16
+    decode when every scale byte is <= 128 (all real checkpoints); False assumes the worst and
+    never syncs. Do this once at load; it costs about one read and write of the weights.
+    """
+    op = "mxfp4_prepack"
+    check_tensor(op, "w", w, dtypes=_W_DTYPES, ndim=3)
+    dev = w.device
+    num_experts, n, kh = w.shape
+    k = 2 * kh
+    if num_experts < 1 or n < 1 or k < 32 or k % 32 != 0:
+        raise ValueError(f"{op}: w must be [E, N, K/2] with E, N >= 1 and K a positive multiple "
+                         f"of 32, got {tuple(w.shape)}")
+    check_tensor(op, "w_scale", w_scale, dtypes=_SCALE_DTYPES, shape=(num_experts, n, k // 32),
+                 device=dev)
+    if not isinstance(fuse_swiglu, bool):
+        raise TypeError(f"{op}: fuse_swiglu must be a bool, got {type(fuse_swiglu).__name__}")
+    if fuse_swiglu and n % 2 != 0:
+        raise ValueError(f"{op}: fuse_swiglu needs an even N, got N = {n}")
+    wb = w.view(torch.uint8) if w.dtype != torch.uint8 else w
+    sb = w_scale.view(torch.uint8) if w_scale.dtype != torch.uint8 else w_scale
+    n_pad, src = _packed_rows(n, fuse_swiglu, dev)
+    kq = _C.MXFP4_PACK_K
+    k_pad = -(-k // kq) * kq
+    valid = (src >= 0)[None, :, None]
+    src = src.clamp(min=0)
+    nib_map, sc_map = _block_maps(dev)
+    nb, kb = n_pad // 16, k_pad // 64
+    data = torch.empty(num_experts, nb, kb, _C.MXFP4_BLOCK_BYTES, dtype=torch.uint8, device=dev)
+    per = max(1, (1 << 28) // (n_pad * k_pad))  # bound the temporaries (~256 MiB of nibbles)
+    for e0 in range(0, num_experts, per):
+        e1 = min(num_experts, e0 + per)
+        c = e1 - e0
+        wc = torch.where(valid, wb[e0:e1].index_select(1, src), 0)
+        sc = torch.where(valid, sb[e0:e1].index_select(1, src), 127)
+        nib = torch.stack([wc & 15, wc >> 4], dim=-1).reshape(c, n_pad, k)
+        if k_pad > k:
+            nib = torch.nn.functional.pad(nib, (0, k_pad - k))
+            sc = torch.nn.functional.pad(sc, (0, (k_pad - k) // 32), value=127)
+        blocks = nib.reshape(c, nb, 16, kb, 64).permute(0, 1, 3, 2, 4).reshape(c, nb, kb, 1024)
+        q = blocks.index_select(-1, nib_map)
+        data[e0:e1, :, :, :512] = q[..., 0::2] | (q[..., 1::2] << 4)
+        sblk = sc.reshape(c, nb, 16, kb, 2).permute(0, 1, 3, 2, 4).reshape(c, nb, kb, 32)
+        data[e0:e1, :, :, 512:] = sblk.index_select(-1, sc_map)
+    wide = bool((sb > 128).any()) if check_scales else True
+    return Mxfp4PackedWeights(data, n, k, fuse_swiglu, wide)
+
+
+def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``mxfp4_prepack``: the checkpoint layout ``(w [E, N, K/2], w_scale
+    [E, N, K/32])`` as uint8, on the packed weights' device (torch ops, no host sync)."""
+    if not isinstance(pw, Mxfp4PackedWeights):
+        raise TypeError(f"mxfp4_unpack: expected Mxfp4PackedWeights, got {type(pw).__name__}")
+    d = pw.data
+    dev = d.device
+    num_experts, nb, kb, _ = d.shape
+    nib_map, sc_map = _block_maps(dev)
+    body = d[..., :512]
+    q = torch.stack([body & 15, body >> 4], dim=-1).reshape(num_experts, nb, kb, 1024)
+    blocks = torch.empty_like(q).index_copy_(-1, nib_map, q)
+    nib = blocks.reshape(num_experts, nb, kb, 16, 64).permute(0, 1, 3, 2, 4)
+    nib = nib.reshape(num_experts, nb * 16, kb * 64)
+    sblk = torch.empty_like(d[..., 512:]).index_copy_(-1, sc_map, d[..., 512:].contiguous())
+    sc = sblk.reshape(num_experts, nb, kb, 16, 2).permute(0, 1, 3, 2, 4)
+    sc = sc.reshape(num_experts, nb * 16, kb * 2)
+    n_pad, src = _packed_rows(pw.n, pw.fuse_swiglu, dev)
+    pos = torch.empty(pw.n, dtype=torch.long, device=dev)
+    keep = src >= 0
+    pos[src[keep]] = torch.arange(n_pad, device=dev)[keep]
+    nib = nib.index_select(1, pos)[:, :, :pw.k]
+    w = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    return w.contiguous(), sc.index_select(1, pos)[:, :, :pw.k // 32].contiguous()
+
+
+def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_rows, cap, k,
+                 fuse, limit) -> None:
+    dev = a.device
+    args = (ptr(a), dtype_code(a), ptr(a_scale), ptr(pw.data), pw.n_pad, pw.k_pad,
+            pw.fuse_swiglu, pw.wide_scales, ptr(offsets), ptr(counts), ptr(masked_m), ptr(out),
+            dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, _FORCE_TILE)
+    if dev.index is not None and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev))
+    else:
+        _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev))
+
+
 def mxfp4_grouped_gemm(
     a: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
+    w: torch.Tensor | Mxfp4PackedWeights,
+    w_scale: torch.Tensor | None,
     *,
     expert_offsets: torch.Tensor | None = None,
     expert_counts: torch.Tensor | None = None,
@@ -46,8 +248,12 @@ def mxfp4_grouped_gemm(
             (rows sorted by expert) or masked layout ``[E, cap, K]``. K must be a multiple of 32
             (of 128 for float8).
         w: packed e2m1 weights ``[E, N, K/2]`` uint8 or int8 (raw bytes; byte j holds element 2j in
-            its low nibble, 2j+1 in its high nibble).
-        w_scale: UE8M0 scales ``[E, N, K/32]`` uint8 or float8_e8m0fnu (raw bytes).
+            its low nibble, 2j+1 in its high nibble) -- or an ``Mxfp4PackedWeights`` from
+            ``mxfp4_prepack`` (then ``w_scale`` must be None). The CUDA kernel needs the packed
+            form: raw CUDA weights are repacked on every call (correct, but an extra pass over the
+            weights; prepack once at load instead). On CPU packed weights are unpacked per call.
+        w_scale: UE8M0 scales ``[E, N, K/32]`` uint8 or float8_e8m0fnu (raw bytes); None with
+            packed ``w``.
         expert_offsets: contiguous layout: int32 ``[E+1]``, nondecreasing, ``offsets[E] <= M``.
         expert_counts: contiguous layout, optional int32 ``[E]``: expert e owns rows
             ``[offsets[e], offsets[e] + counts[e])`` (default: the whole segment).
@@ -61,12 +267,19 @@ def mxfp4_grouped_gemm(
         out_dtype: float32 or bfloat16; default float32 for float32 ``a``, else bfloat16.
         out: optional preallocated output of exactly the result's shape and dtype.
         check: validate the values of offsets / counts / masked_m. CPU tensors are always
-            validated; CUDA tensors only with ``check=True`` (it costs a host sync).
+            validated; CUDA tensors only with ``check=True`` (it costs a host sync). Without it the
+            CUDA kernel reads the row counts on the device and clamps them into range (memory
+            safe, but bad routing gives meaningless rows).
 
     Returns:
         ``[M, N_out]`` (contiguous) or ``[E, cap, N_out]`` (masked), ``N_out = N/2`` with
         ``fuse_swiglu`` else ``N``. Rows owned by no expert are NOT written (in a fresh output they
         are uninitialised).
+
+    CUDA: bfloat16 / float8 activations run the sm_90a kernel with no host synchronisation
+    (launchable back to back); float32 activations run the interim torch path (slow). The
+    kernel's results are deterministic and batch-invariant (a row's output depends neither on the
+    other rows nor on the tile shape the host picks).
     """
     op = _OP
     check_tensor(op, "a", a, dtypes=_ACT_DTYPES, contiguous=False)
@@ -89,17 +302,29 @@ def mxfp4_grouped_gemm(
         raise ValueError(f"{op}: K = a.shape[-1] = {k} must be a positive multiple of 32 "
                          "(one MXFP4 scale covers 32 values along K)")
 
-    check_tensor(op, "w", w, dtypes=_W_DTYPES, ndim=3, device=device, contiguous=False)
-    num_experts, n = w.shape[0], w.shape[1]
-    if num_experts < 1 or n < 1:
-        raise ValueError(f"{op}: w must be [E, N, K/2] with E >= 1 and N >= 1, got "
-                         f"{tuple(w.shape)}")
-    if w.shape[2] != k // 2:
-        raise ValueError(f"{op}: w must have shape [E, N, K/2] = [{num_experts}, {n}, {k // 2}] "
-                         f"for K = {k} (a's last dim), got {tuple(w.shape)}")
-    check_tensor(op, "w", w, dtypes=_W_DTYPES, shape=(num_experts, n, k // 2), device=device)
-    check_tensor(op, "w_scale", w_scale, dtypes=_SCALE_DTYPES, shape=(num_experts, n, k // 32),
-                 device=device)
+    packed = isinstance(w, Mxfp4PackedWeights)
+    if packed:
+        if w_scale is not None:
+            raise ValueError(f"{op}: w_scale must be None when w is Mxfp4PackedWeights (the "
+                             "scales are packed with the weights)")
+        if w.data.device != device:
+            raise ValueError(f"{op}: w (Mxfp4PackedWeights) must be on {device} like the other "
+                             f"inputs, got {w.data.device}")
+        num_experts, n = w.num_experts, w.n
+        if w.k != k:
+            raise ValueError(f"{op}: w was packed for K = {w.k}, but a's last dim is K = {k}")
+    else:
+        check_tensor(op, "w", w, dtypes=_W_DTYPES, ndim=3, device=device, contiguous=False)
+        num_experts, n = w.shape[0], w.shape[1]
+        if num_experts < 1 or n < 1:
+            raise ValueError(f"{op}: w must be [E, N, K/2] with E >= 1 and N >= 1, got "
+                             f"{tuple(w.shape)}")
+        if w.shape[2] != k // 2:
+            raise ValueError(f"{op}: w must have shape [E, N, K/2] = [{num_experts}, {n}, "
+                             f"{k // 2}] for K = {k} (a's last dim), got {tuple(w.shape)}")
+        check_tensor(op, "w", w, dtypes=_W_DTYPES, shape=(num_experts, n, k // 2), device=device)
+        check_tensor(op, "w_scale", w_scale, dtypes=_SCALE_DTYPES,
+                     shape=(num_experts, n, k // 32), device=device)
 
     if masked:
         check_tensor(op, "masked_m", masked_m, dtypes=(torch.int32,), shape=(num_experts,),
@@ -134,6 +359,10 @@ def mxfp4_grouped_gemm(
     if fuse_swiglu and n % 2 != 0:
         raise ValueError(f"{op}: fuse_swiglu needs an even N = w.shape[1] (gate rows then up "
                          f"rows), got N = {n}")
+    if packed and w.fuse_swiglu != fuse_swiglu:
+        raise ValueError(f"{op}: w was packed with fuse_swiglu={w.fuse_swiglu} (gate/up rows "
+                         f"{'interleaved' if w.fuse_swiglu else 'in checkpoint order'}) but the "
+                         f"call has fuse_swiglu={fuse_swiglu}; prepack with the same flag")
     if swiglu_limit is not None:
         if not fuse_swiglu:
             raise ValueError(f"{op}: swiglu_limit is only meaningful with fuse_swiglu=True")
@@ -152,7 +381,8 @@ def mxfp4_grouped_gemm(
     if out is not None:
         check_tensor(op, "out", out, dtypes=(out_dtype,), shape=out_shape, device=device)
         if out.numel() > 0:
-            inputs = {"a": a, "w": w, "w_scale": w_scale, "expert_offsets": expert_offsets,
+            inputs = {"a": a, "w": w.data if packed else w, "w_scale": w_scale,
+                      "expert_offsets": expert_offsets,
                       "expert_counts": expert_counts, "masked_m": masked_m, "a_scale": a_scale}
             check_no_alias(op, {"out": out},
                            {k_: v for k_, v in inputs.items() if v is not None and v.numel() > 0})
@@ -165,13 +395,27 @@ def mxfp4_grouped_gemm(
     if not on_cuda or check:
         _check_values(num_experts, m_rows, cap, expert_offsets, expert_counts, masked_m)
 
+    rows = num_experts * cap if masked else m_rows
+    if on_cuda and rows >= _INT32_LIMIT:
+        raise ValueError(f"{op}: the CUDA kernel indexes rows with int32; got {rows} rows")
     if a.numel() == 0:
         return out  # no rows: nothing to write
     if on_cuda:
-        _interim_cuda(a, w, w_scale, expert_offsets, expert_counts, masked_m, a_scale,
-                      fuse_swiglu, swiglu_limit, out)
+        if a.dtype == torch.float32 or num_experts > _C.MXFP4_CUDA_MAX_EXPERTS:
+            # Interim torch path: float32 activations (no float32 tensor-core kernel) or more
+            # experts than the kernel's shared-memory schedule holds.
+            wr, sr = mxfp4_unpack(w) if packed else (w, w_scale)
+            _interim_cuda(a, wr, sr, expert_offsets, expert_counts, masked_m, a_scale,
+                          fuse_swiglu, swiglu_limit, out)
+            return out
+        pw = w if packed else mxfp4_prepack(w, w_scale, fuse_swiglu=fuse_swiglu,
+                                            check_scales=False)
+        _launch_cuda(a, pw, a_scale, expert_offsets, expert_counts, masked_m, out, num_experts,
+                     m_rows, cap, k, fuse_swiglu, swiglu_limit)
         return out
 
+    if packed:
+        w, w_scale = mxfp4_unpack(w)
     _C.mxfp4_grouped_gemm_cpu(
         ptr(a), dtype_code(a), ptr(a_scale), ptr(w), ptr(w_scale), ptr(expert_offsets),
         ptr(expert_counts), ptr(masked_m), ptr(out), dtype_code(out), num_experts, m_rows, cap,

@@ -1,0 +1,595 @@
+// CUDA MXFP4 grouped expert GEMM for sm_90a (contract in zeroinfer/moe_gemm.h).
+//
+// Swap AB: the weight rows are the MMA's M dimension (16 per mma) and the tokens its N dimension
+// (8 per mma), so an expert with 1..8 tokens wastes no weight bandwidth. Weights are streamed in
+// the repacked layout (zeroinfer.ops.mxfp4_prepack): per 16 rows x 64 k, lane L's 16 bytes at
+// L*16 are exactly its A-fragment nibbles for the block, followed by the block's 32 scale bytes.
+//
+// Numerics (identical for every tile shape, so results are batch-invariant and deterministic):
+//   W4A16 (bf16 activations): e2m1 -> bf16 is exact: a nibble s|c (c = 3 code bits) placed as
+//     bf16 bits s<<15 | c<<6 is the e2m1 value times 2^-126 (the code's exponent bits land in the
+//     bf16 exponent, 0.5 becomes the subnormal 2^-127); one bf16 multiply by 2^(scale-1) (two
+//     exact multiplies when a scale byte exceeds 128) folds in the bias and the UE8M0 scale,
+//     exactly. mma.sync m16n8k16 bf16 with float32 accumulation, in k order.
+//   W4A8 (e4m3 activations, per-token per-128 float32 scales): e2m1 -> e4m3 is exact the same way
+//     (bits s<<7 | c<<2 = value * 2^-6). One mma.sync m16n8k32 e4m3 per 32-wide weight scale
+//     group from a zero accumulator, then acc = fma(partial, w_scale * a_scale * 64, acc) in
+//     float32 (the 64 undoes the 2^-6 of the decode).
+//
+// K order: the MMA's k index is a permutation of the real k inside every 32-group (weights and
+// activations are permuted alike, so the dot product is unchanged): lane t of a k16 step holds
+// real k 16h + 4t .. 16h + 4t + 3 of half h, i.e. the activation fragment of a lane is 8 (bf16)
+// or 2 x 4 (e4m3) consecutive bytes of its token's row.
+//
+// Tiles: a CTA computes BN weight rows x BM tokens of one expert over the whole K (no split-K, so
+// no cross-CTA reduction), with a kStages-deep cp.async pipeline of BK = 128 (weights, tokens and
+// the float8 scales of that k block). Two shapes, chosen on the host from the shapes only:
+//   small: 4 warps x (16 rows x 32 tokens) = 64 x 32   (decode; n8 steps past the expert's rows
+//          are skipped, so 1..8 tokens cost one mma per weight fragment)
+//   large: 8 warps as 4 (N) x 2 (M), warp tile 64 x 64 = 256 x 128 (prefill)
+// Persistent grid: each CTA builds the per-expert tile prefix ON THE DEVICE from the offsets /
+// counts / masked_m (no host sync), then walks the work items (tile slot, N tile) with a grid
+// stride; slots past the device-computed total exit. Rows of a tile past the expert's count are
+// neither loaded nor stored (their shared-memory rows hold stale data that only ever feeds
+// output columns that are discarded).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+
+#include "check.cuh"
+#include "zeroinfer/moe_gemm.h"
+#include "zeroinfer/numeric.h"
+
+namespace zi {
+namespace {
+
+constexpr int kBK = 128;                              // k per pipeline stage
+constexpr int kBlk = kMxfp4BlockBytes;                // one packed 16 x 64 block
+constexpr int kStripStage = 2 * kMxfp4BlockBytes;     // one 16-row strip, one stage (k 128)
+constexpr int kStripChunks = kStripStage / 16;        // 16-byte cp.async chunks per strip stage
+static_assert(kStripStage % 16 == 0, "strip stage must be 16-byte chunks");
+static_assert(kMxfp4PackK % kBK == 0, "packed k must be whole stages");
+
+template <bool kFp8_, int kWarpsN, int kWarpsM, int kWN, int kWT, int kStages, int kMinBlocks>
+struct Cfg {
+  static constexpr bool fp8 = kFp8_;
+  static constexpr int warps_n = kWarpsN;
+  static constexpr int wn = kWN;  // 16-row strips per warp
+  static constexpr int wt = kWT;  // 8-token steps per warp
+  static constexpr int stages = kStages, min_blocks = kMinBlocks;
+  static constexpr int threads = 32 * kWarpsN * kWarpsM;
+  static constexpr int bn = 16 * kWN * kWarpsN;  // weight rows per CTA tile
+  static constexpr int bm = 8 * kWT * kWarpsM;   // tokens per CTA tile
+  static constexpr int strips = bn / 16;
+  static constexpr int w_bytes = strips * kStripStage;
+  // Token row pitch in shared memory: 288 B (bf16) / 144 B (e4m3) make the fragment loads of a
+  // warp (8 rows x 4 lanes) hit distinct banks.
+  static constexpr int a_pitch = fp8 ? kBK + 16 : kBK * 2 + 32;
+  static constexpr int a_bytes = bm * a_pitch;
+  static constexpr int s_bytes = fp8 ? bm * 4 : 0;
+  static constexpr int stage_bytes = w_bytes + a_bytes + s_bytes;
+  static constexpr int chunks_per_row = fp8 ? kBK / 16 : kBK * 2 / 16;
+  static_assert(stage_bytes % 16 == 0, "stage must keep 16-byte alignment");
+  // A warp's strips never straddle the end of the packed rows (kMxfp4PackRows / 16 = 8 strips).
+  static_assert((kMxfp4PackRows / 16) % kWN == 0, "warp strips must divide the row padding");
+};
+
+template <bool F>
+using SmallCfg = Cfg<F, 4, 1, 1, 4, 5, 3>;
+template <bool F>
+using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
+
+// ---- PTX wrappers -------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; src_bytes = 0 zero-fills without reading.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// D = A * B + D; A 16x16 bf16 (row), B 16x8 bf16 (col), float32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D = A * B (zero accumulator); A 16x32 e4m3 (row), B 32x8 e4m3 (col).
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f), "f"(0.f),
+        "f"(0.f), "f"(0.f));
+}
+
+// Exact bf16x2 product (fma with -0 keeps the sign of zero products; bf16 subnormals are kept).
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// ---- weight decode ------------------------------------------------------------------------------
+// A 32-bit word of the packed layout holds 8 nibbles; nibble slot i = bits 4i..4i+3. For lane
+// (g = lane/4, t = lane%4), word w = 2*s + h of a block (s: 32-group, h: 16-half) holds
+//   slot 3: (row g,   k 16h+4t+0)   slot 7: (row g,   +1)   slot 1: (row g,   +2)   slot 5: (row g,   +3)
+//   slot 2: (row g+8, k 16h+4t+0)   slot 6: (row g+8, +1)   slot 0: (row g+8, +2)   slot 4: (row g+8, +3)
+// (k relative to the block's 32-group s). Built by _block_maps in python/zeroinfer/ops/moe_gemm.py.
+
+// bf16 A fragment of the k16 step (s, h): a0 = (g; +0,+1), a1 = (g+8; +0,+1), a2 = (g; +2,+3),
+// a3 = (g+8; +2,+3); pair p comes from slots 3-p (low half) and 7-p (high half), i.e. the top
+// nibble of each 16-bit half of q << 4p: sign bit 15 stays, code bits 14..12 move to 8..6.
+// Result: bf16 values times 2^-126 (unscaled).
+__device__ __forceinline__ void decode_bf16_raw(uint32_t q, uint32_t (&a)[4]) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t x = q << (4 * p);
+    a[p] = (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
+  }
+}
+
+// e4m3 A-fragment registers of one k16 half: rg = row g bytes (+0..+3), r8 = row g+8, each byte
+// s<<7 | c<<2 = e2m1 value times 2^-6. Gather the bytes holding (+0, +1, +2, +3) first: row g's
+// nibbles are then the high nibbles of x's bytes, row g+8's the low nibbles.
+__device__ __forceinline__ void decode_e4m3_raw(uint32_t q, uint32_t& rg, uint32_t& r8) {
+  const uint32_t x = __byte_perm(q, 0u, 0x2031u);  // bytes (1, 3, 0, 2) of q
+  rg = (x & 0x80808080u) | ((x >> 2) & 0x1C1C1C1Cu);
+  r8 = ((x << 4) & 0x80808080u) | ((x << 2) & 0x1C1C1C1Cu);
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
+  return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
+
+// bf16x2 multipliers for the 4 scale bytes of a lane's block (byte 0: (g, s0), 1: (g, s1),
+// 2: (g+8, s0), 3: (g+8, s1)). Narrow (every byte <= 128): m1 = 2^(s-1) (the 2^126 decode bias
+// folded in). Wide: m1 = 2^(min(s,128)-1), m2 = 2^(max(s,128)-128), NaN for byte 255.
+__device__ __forceinline__ void bf16_multipliers(uint32_t sc, bool wide, uint32_t (&m1)[4],
+                                                 uint32_t (&m2)[4]) {
+  const uint32_t lo = (wide ? __vminu4(sc, 0x80808080u) : sc) + 0x7E7E7E7Eu;  // s + 126
+#pragma unroll
+  for (int i = 0; i < 4; ++i) m1[i] = __byte_perm(lo, 0u, 0x4040u | (i * 0x0101u)) << 7;
+  if (wide) {
+    const uint32_t hi = __vmaxu4(sc, 0x80808080u) - 0x01010101u;  // max(s,128) - 1
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t b = (sc >> (8 * i)) & 0xffu;
+      m2[i] = b == 0xffu ? 0x7FC07FC0u : __byte_perm(hi, 0u, 0x4040u | (i * 0x0101u)) << 7;
+    }
+  }
+}
+
+// ---- one pipeline stage of one warp ---------------------------------------------------------------
+// acc[i][j]: strip i (16 weight rows) x token step j (8 tokens), C-fragment order
+// (c0: row g, token 2t; c1: row g, token 2t+1; c2: row g+8, token 2t; c3: row g+8, token 2t+1).
+template <class C>
+__device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, int lane, int warp_n,
+                                              int warp_m, int nj, bool wide,
+                                              float (&acc)[C::wn][C::wt][4]) {
+  const int g = lane >> 2, t = lane & 3;
+  const uint8_t* wst = st + warp_n * C::wn * kStripStage;
+  const uint8_t* ast = st + C::w_bytes + (warp_m * C::wt * 8 + g) * C::a_pitch;
+  if constexpr (!C::fp8) {
+#pragma unroll
+    for (int kb = 0; kb < 2; ++kb) {
+      uint4 wq[C::wn];
+      uint32_t m1[C::wn][4], m2[C::wn][4];
+#pragma unroll
+      for (int i = 0; i < C::wn; ++i) {
+        const uint8_t* blk = wst + i * kStripStage + kb * kBlk;
+        wq[i] = *reinterpret_cast<const uint4*>(blk + lane * 16);
+        bf16_multipliers(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), wide, m1[i], m2[i]);
+      }
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int koff = (kb * 64 + 32 * s + 16 * h + 4 * t) * 2;
+          uint32_t b[C::wt][2];
+#pragma unroll
+          for (int j = 0; j < C::wt; ++j) {
+            if (j < nj) {
+              const uint2 v = *reinterpret_cast<const uint2*>(ast + j * 8 * C::a_pitch + koff);
+              b[j][0] = v.x;
+              b[j][1] = v.y;
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < C::wn; ++i) {
+            uint32_t a[4];
+            decode_bf16_raw(word_of(wq[i], 2 * s + h), a);
+            a[0] = bf16x2_mul(a[0], m1[i][s]);
+            a[1] = bf16x2_mul(a[1], m1[i][2 + s]);
+            a[2] = bf16x2_mul(a[2], m1[i][s]);
+            a[3] = bf16x2_mul(a[3], m1[i][2 + s]);
+            if (wide) {
+              a[0] = bf16x2_mul(a[0], m2[i][s]);
+              a[1] = bf16x2_mul(a[1], m2[i][2 + s]);
+              a[2] = bf16x2_mul(a[2], m2[i][s]);
+              a[3] = bf16x2_mul(a[3], m2[i][2 + s]);
+            }
+#pragma unroll
+            for (int j = 0; j < C::wt; ++j) {
+              if (j < nj) mma_bf16(acc[i][j], a, b[j][0], b[j][1]);
+            }
+          }
+        }
+      }
+    }
+  } else {
+    const float* sst = reinterpret_cast<const float*>(st + C::w_bytes + C::a_bytes);
+    float as64[C::wt][2];
+#pragma unroll
+    for (int j = 0; j < C::wt; ++j) {
+      if (j < nj) {
+        const int r = warp_m * C::wt * 8 + j * 8 + 2 * t;
+        as64[j][0] = sst[r] * 64.f;
+        as64[j][1] = sst[r + 1] * 64.f;
+      }
+    }
+#pragma unroll
+    for (int kb = 0; kb < 2; ++kb) {
+      uint4 wq[C::wn];
+      uint32_t sc[C::wn];
+#pragma unroll
+      for (int i = 0; i < C::wn; ++i) {
+        const uint8_t* blk = wst + i * kStripStage + kb * kBlk;
+        wq[i] = *reinterpret_cast<const uint4*>(blk + lane * 16);
+        sc[i] = *reinterpret_cast<const uint32_t*>(blk + 512 + g * 4);
+      }
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int koff = kb * 64 + 32 * s + 4 * t;
+        uint32_t b[C::wt][2];
+#pragma unroll
+        for (int j = 0; j < C::wt; ++j) {
+          if (j < nj) {
+            b[j][0] = *reinterpret_cast<const uint32_t*>(ast + j * 8 * C::a_pitch + koff);
+            b[j][1] = *reinterpret_cast<const uint32_t*>(ast + j * 8 * C::a_pitch + koff + 16);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < C::wn; ++i) {
+          uint32_t a[4];
+          decode_e4m3_raw(word_of(wq[i], 2 * s), a[0], a[1]);
+          decode_e4m3_raw(word_of(wq[i], 2 * s + 1), a[2], a[3]);
+          const float wg = ue8m0_to_float(static_cast<uint8_t>(sc[i] >> (8 * s)));
+          const float w8 = ue8m0_to_float(static_cast<uint8_t>(sc[i] >> (8 * (2 + s))));
+#pragma unroll
+          for (int j = 0; j < C::wt; ++j) {
+            if (j < nj) {
+              float d[4];
+              mma_e4m3(d, a, b[j][0], b[j][1]);
+              acc[i][j][0] = fmaf(d[0], wg * as64[j][0], acc[i][j][0]);
+              acc[i][j][1] = fmaf(d[1], wg * as64[j][1], acc[i][j][1]);
+              acc[i][j][2] = fmaf(d[2], w8 * as64[j][0], acc[i][j][2]);
+              acc[i][j][3] = fmaf(d[3], w8 * as64[j][1], acc[i][j][3]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- device-side schedule -------------------------------------------------------------------------
+// prefix[e] = tiles of the experts before e (bm rows per tile); prefix[E] = total tiles.
+template <class C>
+__device__ void build_schedule(const Mxfp4CudaGemmParams& p, int* prefix, int* row0, int* cnt) {
+  __shared__ int warp_sums[32];
+  const int E = static_cast<int>(p.num_experts);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (E + C::threads - 1) / C::threads;
+  const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
+  int sum = 0;
+  for (int e = e0; e < e1; ++e) {
+    int r0, c;
+    if (p.masked_m != nullptr) {
+      r0 = e * static_cast<int>(p.cap);
+      c = min(max(p.masked_m[e], 0), static_cast<int>(p.cap));
+    } else {
+      const int m = static_cast<int>(p.m);
+      const int lo = min(max(p.expert_offsets[e], 0), m);
+      const int hi = min(max(p.expert_offsets[e + 1], lo), m);
+      r0 = lo;
+      c = p.expert_counts != nullptr ? min(max(p.expert_counts[e], 0), hi - lo) : hi - lo;
+    }
+    row0[e] = r0;
+    cnt[e] = c;
+    sum += (c + C::bm - 1) / C::bm;
+  }
+  // Block-wide exclusive scan of `sum`.
+  int x = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  int before = x - sum;
+  int total = 0;
+  for (int w = 0; w < C::threads / 32; ++w) {
+    if (w < warp) before += warp_sums[w];
+    total += warp_sums[w];
+  }
+  for (int e = e0; e < e1; ++e) {
+    prefix[e] = before;
+    before += (cnt[e] + C::bm - 1) / C::bm;
+  }
+  if (tid == 0) prefix[E] = total;
+  __syncthreads();
+}
+
+__device__ __forceinline__ void store_out(void* out, bool bf16, int64_t idx, float v) {
+  if (bf16)
+    static_cast<__nv_bfloat16*>(out)[idx] = __float2bfloat16_rn(v);
+  else
+    static_cast<float*>(out)[idx] = v;
+}
+
+// V4 clipped SwiGLU, NaN-propagating like the reference (x > NaN is false).
+__device__ __forceinline__ float swiglu(float gt, float up, bool has_limit, float lim) {
+  if (has_limit) {
+    gt = gt > lim ? lim : gt;
+    up = up > lim ? lim : (up < -lim ? -lim : up);
+  }
+  return gt / (1.f + expf(-gt)) * up;
+}
+
+// ---- the kernel ------------------------------------------------------------------------------------
+template <class C>
+__global__ void __launch_bounds__(C::threads, C::min_blocks)
+    mxfp4_moe_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int E = static_cast<int>(p.num_experts);
+  int* s_prefix = reinterpret_cast<int*>(smem + C::stages * C::stage_bytes);
+  int* s_row0 = s_prefix + (E + 1);
+  int* s_cnt = s_row0 + E;
+  build_schedule<C>(p, s_prefix, s_row0, s_cnt);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warp_n = warp % C::warps_n, warp_m = warp / C::warps_n;
+  const int g = lane >> 2, t = lane & 3;
+  const int strips_total = static_cast<int>(p.n_pad / 16);
+  const int n_tiles = (strips_total + C::strips - 1) / C::strips;
+  const int64_t items = static_cast<int64_t>(s_prefix[E]) * n_tiles;
+  const int k = static_cast<int>(p.k);
+  const int kt_total = static_cast<int>(p.k_pad / kBK);
+  const int64_t kb_total = p.k_pad / 64;
+  const bool out_bf16 = p.out_dtype == DType::kBFloat16;
+  const bool wide = p.wide_scales;
+  constexpr int kEsize = C::fp8 ? 1 : 2;
+  const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
+
+#pragma unroll 1
+  for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
+    const int slot = static_cast<int>(it / n_tiles);
+    const int nt = static_cast<int>(it - static_cast<int64_t>(slot) * n_tiles);
+    int lo = 0, hi = E - 1;  // largest e with prefix[e] <= slot (it owns >= 1 tile)
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (s_prefix[mid] <= slot)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int e = lo;
+    const int mt = slot - s_prefix[e];
+    const int tile_row0 = s_row0[e] + mt * C::bm;    // first row of a / out of this tile
+    const int tile_rows = min(C::bm, s_cnt[e] - mt * C::bm);  // >= 1
+    const int strip0 = nt * C::strips;
+    const int strips_valid = min(C::strips, strips_total - strip0);
+    const int warp_tok0 = warp_m * C::wt * 8;
+    const int nj = min(max((tile_rows - warp_tok0 + 7) / 8, 0), C::wt);
+    const bool warp_active = nj > 0 && warp_n * C::wn < strips_valid;
+
+    const uint8_t* wtile =
+        p.w_packed + (static_cast<int64_t>(e) * strips_total + strip0) * kb_total * kBlk;
+    const uint8_t* atile =
+        static_cast<const uint8_t*>(p.a) + static_cast<int64_t>(tile_row0) * k * kEsize;
+
+    auto load_stage = [&](int slot_idx, int kt) {
+      uint8_t* st = smem + slot_idx * C::stage_bytes;
+      for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
+        const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
+        if (i < strips_valid)
+          cp_async16(smem_u32(st + i * kStripStage + off),
+                     wtile + (static_cast<int64_t>(i) * kb_total + 2 * kt) * kBlk + off, true);
+      }
+      for (int c = tid; c < tile_rows * C::chunks_per_row; c += C::threads) {
+        const int r = c / C::chunks_per_row, cc = c - r * C::chunks_per_row;
+        const int kk = kt * kBK + cc * (16 / kEsize);
+        const bool valid = kk < k;
+        const void* src = valid ? static_cast<const void*>(
+                                      atile + (static_cast<int64_t>(r) * k + kk) * kEsize)
+                                : p.a;
+        cp_async16(smem_u32(st + C::w_bytes + r * C::a_pitch + cc * 16), src, valid);
+      }
+      if constexpr (C::fp8) {
+        for (int r = tid; r < tile_rows; r += C::threads)
+          cp_async4(smem_u32(st + C::w_bytes + C::a_bytes + r * 4),
+                    p.a_scale + static_cast<int64_t>(tile_row0 + r) * (k / kBK) + kt);
+      }
+    };
+
+    float acc[C::wn][C::wt][4];
+#pragma unroll
+    for (int i = 0; i < C::wn; ++i)
+#pragma unroll
+      for (int j = 0; j < C::wt; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+#pragma unroll 1
+    for (int s = 0; s < C::stages - 1; ++s) {
+      if (s < kt_total) load_stage(s, s);
+      cp_async_commit();
+    }
+#pragma unroll 1
+    for (int kt = 0; kt < kt_total; ++kt) {
+      cp_async_wait<C::stages - 2>();
+      __syncthreads();
+      const int nk = kt + C::stages - 1;
+      if (nk < kt_total) load_stage(nk % C::stages, nk);
+      cp_async_commit();
+      if (warp_active)
+        compute_stage<C>(smem + (kt % C::stages) * C::stage_bytes, lane, warp_n, warp_m, nj, wide,
+                         acc);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the next item's prologue overwrites every stage
+
+    if (warp_active) {
+#pragma unroll
+      for (int i = 0; i < C::wn; ++i) {
+        const int strip = strip0 + warp_n * C::wn + i;  // packed 16-row block
+#pragma unroll
+        for (int j = 0; j < C::wt; ++j) {
+          if (j >= nj) continue;
+          const int tok = warp_tok0 + j * 8 + 2 * t;  // tile-local token of c0 / c2
+          if (p.fuse_swiglu) {
+            const int col = strip * 8 + g;  // gate row col (c0, c1), up row n/2 + col (c2, c3)
+            if (col < n_out) {
+#pragma unroll
+              for (int u = 0; u < 2; ++u) {
+                if (tok + u < tile_rows)
+                  store_out(p.out, out_bf16,
+                            static_cast<int64_t>(tile_row0 + tok + u) * n_out + col,
+                            swiglu(acc[i][j][u], acc[i][j][2 + u], p.has_swiglu_limit,
+                                   p.swiglu_limit));
+              }
+            }
+          } else {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const int col = strip * 16 + g + (c >> 1) * 8;
+              const int tk = tok + (c & 1);
+              if (col < n_out && tk < tile_rows)
+                store_out(p.out, out_bf16, static_cast<int64_t>(tile_row0 + tk) * n_out + col,
+                          acc[i][j][c]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------------
+constexpr int kMaxDevices = 64;
+
+int64_t schedule_smem_bytes(int64_t num_experts) { return (3 * num_experts + 1) * 4; }
+
+template <class C>
+void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
+  const int64_t E = p.num_experts;
+  const int64_t n_tiles = (p.n_pad / 16 + C::strips - 1) / C::strips;
+  const int64_t tiles_bound = p.masked_m != nullptr
+                                  ? E * ((p.cap + C::bm - 1) / C::bm)
+                                  : (p.m + C::bm - 1) / C::bm + std::min<int64_t>(E, p.m);
+  const int64_t items_bound = tiles_bound * n_tiles;
+  if (items_bound <= 0) return;
+
+  int dev = 0;
+  ZI_CUDA_CHECK(cudaGetDevice(&dev));
+  ZI_CHECK(dev >= 0 && dev < kMaxDevices, "device index out of range");
+  const int smem = static_cast<int>(C::stages * C::stage_bytes + schedule_smem_bytes(E));
+  static std::mutex mu;
+  static int sm_count[kMaxDevices] = {};
+  static int64_t occ_key[kMaxDevices] = {};  // E + 1 the occupancy was computed for (0: none)
+  static int occ_val[kMaxDevices] = {};
+  int blocks_per_sm = 0, sms = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (sm_count[dev] == 0) {
+      ZI_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
+      const int max_smem = static_cast<int>(C::stages * C::stage_bytes +
+                                            schedule_smem_bytes(kMxfp4CudaMaxExperts));
+      ZI_CUDA_CHECK(cudaFuncSetAttribute(mxfp4_moe_kernel<C>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
+    }
+    if (occ_key[dev] != E + 1) {
+      ZI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &occ_val[dev], mxfp4_moe_kernel<C>, C::threads, smem));
+      occ_key[dev] = E + 1;
+    }
+    blocks_per_sm = std::max(occ_val[dev], 1);
+    sms = sm_count[dev];
+  }
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(items_bound,
+                                                              int64_t{sms} * blocks_per_sm));
+  mxfp4_moe_kernel<C><<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
+  ZI_CUDA_CHECK_LAUNCH("mxfp4_moe_kernel");
+}
+
+}  // namespace
+
+void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
+  const bool masked = p.masked_m != nullptr;
+  ZI_CHECK(masked != (p.expert_offsets != nullptr),
+           "exactly one of expert_offsets / masked_m must be given");
+  ZI_CHECK(!(masked && p.expert_counts != nullptr), "expert_counts only with expert_offsets");
+  ZI_CHECK(p.num_experts >= 1 && p.num_experts <= kMxfp4CudaMaxExperts,
+           "num_experts out of the CUDA kernel's range");
+  ZI_CHECK(p.a_dtype == DType::kBFloat16 || p.a_dtype == DType::kFloat8E4M3,
+           "CUDA kernel activations must be bfloat16 or float8_e4m3fn");
+  ZI_CHECK((p.a_dtype == DType::kFloat8E4M3) == (p.a_scale != nullptr),
+           "a_scale is required exactly for float8 activations");
+  ZI_CHECK(p.out_dtype == DType::kBFloat16 || p.out_dtype == DType::kFloat32,
+           "output dtype must be bfloat16 or float32");
+  ZI_CHECK(p.k >= 32 && p.k % 32 == 0, "k must be a positive multiple of 32");
+  ZI_CHECK(p.a_dtype != DType::kFloat8E4M3 || p.k % 128 == 0, "float8 needs k % 128 == 0");
+  ZI_CHECK(p.k_pad >= p.k && p.k_pad % kMxfp4PackK == 0 && p.k_pad - p.k < kMxfp4PackK,
+           "k_pad must be k rounded up to kMxfp4PackK");
+  ZI_CHECK(p.n >= 1 && p.n_pad % kMxfp4PackRows == 0, "n_pad must be a multiple of kMxfp4PackRows");
+  ZI_CHECK(p.gate_up_interleaved == p.fuse_swiglu,
+           "fuse_swiglu needs gate/up-interleaved packed weights (and only then)");
+  ZI_CHECK(!p.fuse_swiglu || (p.n % 2 == 0 && p.n_pad >= 2 * ((p.n / 2 + 7) / 8 * 8)),
+           "packed rows too few for n");
+  ZI_CHECK(p.fuse_swiglu || p.n_pad >= p.n, "packed rows too few for n");
+  ZI_CHECK(masked ? (p.cap >= 0 && p.num_experts * p.cap < (int64_t{1} << 31))
+                  : (p.m >= 0 && p.m < (int64_t{1} << 31)),
+           "row count out of the CUDA kernel's int32 range");
+  ZI_CHECK(p.tile >= 0 && p.tile <= 2, "tile must be 0 (auto), 1 (small) or 2 (large)");
+  const int64_t rows_per_expert = masked ? p.cap : p.m / p.num_experts;
+  const bool large = p.tile == 2 || (p.tile == 0 && rows_per_expert >= 96);
+  auto s = static_cast<cudaStream_t>(stream);
+  if (p.a_dtype == DType::kFloat8E4M3) {
+    if (large)
+      launch<LargeCfg<true>>(p, s);
+    else
+      launch<SmallCfg<true>>(p, s);
+  } else {
+    if (large)
+      launch<LargeCfg<false>>(p, s);
+    else
+      launch<SmallCfg<false>>(p, s);
+  }
+}
+
+}  // namespace zi
