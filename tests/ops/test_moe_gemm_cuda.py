@@ -272,8 +272,9 @@ def test_packed_weights_bad_arguments(gen):
         mxfp4_grouped_gemm(a, mxfp4_prepack(w, s, fuse_swiglu=True), None, expert_offsets=off)
     with pytest.raises(ValueError, match=r"w was packed for K = 128, but a's last dim is K = 64"):
         mxfp4_grouped_gemm(torch.randn(6, 64), pw, None, expert_offsets=off)
-    with pytest.raises(ValueError, match=r"must be on meta"):
-        mxfp4_grouped_gemm(a.to("meta"), pw, None, expert_offsets=off.to("meta"))
+    on_meta = Mxfp4PackedWeights(pw.data.to("meta"), pw.n, pw.k, pw.fuse_swiglu, pw.wide_scales)
+    with pytest.raises(ValueError, match=r"w \(Mxfp4PackedWeights\) must be on cpu"):
+        mxfp4_grouped_gemm(a, on_meta, None, expert_offsets=off)
     with pytest.raises(ValueError, match=r"fuse_swiglu needs an even N"):
         mxfp4_prepack(w[:, :33].contiguous(), s[:, :33].contiguous(), fuse_swiglu=True)
     with pytest.raises(TypeError, match=r"w_scale must have dtype"):

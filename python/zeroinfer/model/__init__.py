@@ -39,6 +39,12 @@ def load(model: str | Path, *, dtype: torch.dtype = torch.float32,
         net = DeepseekV4ForCausalLM(config, dtype)
     net = net.to_empty(device=device)
     fill_parameters(net, tensors, source=name)
+    if device.type == "cuda":  # repack the MXFP4 experts for the CUDA kernel once, at load
+        from zeroinfer.model.moe import Experts
+
+        for mod in net.modules():
+            if isinstance(mod, Experts):
+                mod.packed()
     net.eval()
     return Model(net, device)
 

@@ -49,6 +49,23 @@ class Experts(nn.Module):
         self.register_buffer("gate_up_scales", torch.zeros(E, 2 * I, D // 32, **u8))
         self.register_buffer("down_blocks", torch.zeros(E, D, I // 2, **u8))
         self.register_buffer("down_scales", torch.zeros(E, D, I // 32, **u8))
+        self._packed: tuple[ops.Mxfp4PackedWeights, ops.Mxfp4PackedWeights] | None = None
+        self._packed_key: tuple | None = None
+
+    def packed(self) -> tuple[ops.Mxfp4PackedWeights, ops.Mxfp4PackedWeights] | None:
+        """(gate_up, down) in the CUDA kernel's layout (ops.mxfp4_prepack), built once and
+        rebuilt only if the buffers change (moved or overwritten); None off CUDA. The buffers
+        stay as loaded (checkpoint layout, state_dict unchanged), so on CUDA the routed-expert
+        weights are held twice."""
+        bufs = (self.gate_up_blocks, self.gate_up_scales, self.down_blocks, self.down_scales)
+        if bufs[0].device.type != "cuda":
+            return None
+        key = tuple((b.data_ptr(), b._version) for b in bufs)
+        if self._packed_key != key:
+            self._packed = (ops.mxfp4_prepack(bufs[0], bufs[1], fuse_swiglu=True),
+                            ops.mxfp4_prepack(bufs[2], bufs[3]))
+            self._packed_key = key
+        return self._packed
 
 
 class SharedExpert(nn.Module):
@@ -74,9 +91,11 @@ class MoE(nn.Module):
         ids, w = self.gate(y, input_ids)
         d = ops.moe_dispatch(y.contiguous(), ids, c.n_routed_experts)
         seg = dict(expert_offsets=d.expert_offsets, expert_counts=d.expert_counts, out_dtype=y.dtype)
-        h = ops.mxfp4_grouped_gemm(d.sorted_x, ex.gate_up_blocks, ex.gate_up_scales,
-                                   fuse_swiglu=True, swiglu_limit=lam, **seg)
-        o = ops.mxfp4_grouped_gemm(h, ex.down_blocks, ex.down_scales, **seg)
+        pk = ex.packed()  # CUDA: the kernel's layout, prepacked once
+        w1, s1 = (pk[0], None) if pk else (ex.gate_up_blocks, ex.gate_up_scales)
+        w2, s2 = (pk[1], None) if pk else (ex.down_blocks, ex.down_scales)
+        h = ops.mxfp4_grouped_gemm(d.sorted_x, w1, s1, fuse_swiglu=True, swiglu_limit=lam, **seg)
+        o = ops.mxfp4_grouped_gemm(h, w2, s2, **seg)
         routed = ops.moe_combine(o, d.token_row, w, out_dtype=y.dtype)
         shared = sh.down_proj(F.silu(sh.gate_proj(y).clamp(max=lam)) * sh.up_proj(y).clamp(-lam, lam))
         return routed + shared
