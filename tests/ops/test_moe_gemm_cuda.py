@@ -275,6 +275,9 @@ def test_packed_weights_bad_arguments(gen):
     on_meta = Mxfp4PackedWeights(pw.data.to("meta"), pw.n, pw.k, pw.fuse_swiglu, pw.wide_scales)
     with pytest.raises(ValueError, match=r"w \(Mxfp4PackedWeights\) must be on cpu"):
         mxfp4_grouped_gemm(a, on_meta, None, expert_offsets=off)
+    bad = Mxfp4PackedWeights(pw.data[:, :, :1].contiguous(), pw.n, pw.k, False, True)
+    with pytest.raises(ValueError, match=r"does not match n=64, k=128"):
+        mxfp4_grouped_gemm(a, bad, None, expert_offsets=off)
     with pytest.raises(ValueError, match=r"fuse_swiglu needs an even N"):
         mxfp4_prepack(w[:, :33].contiguous(), s[:, :33].contiguous(), fuse_swiglu=True)
     with pytest.raises(TypeError, match=r"w_scale must have dtype"):

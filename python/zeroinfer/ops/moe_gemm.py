@@ -187,6 +187,22 @@ def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool =
     return Mxfp4PackedWeights(data, n, k, fuse_swiglu, wide)
 
 
+def _check_packed(op: str, pw: Mxfp4PackedWeights) -> None:
+    """A packed-weights object is consistent (it may have been built by hand)."""
+    d = pw.data
+    check_tensor(op, "w.data", d, dtypes=(torch.uint8,), ndim=4)
+    n_pad, _ = _packed_rows(pw.n, pw.fuse_swiglu, torch.device("cpu"))
+    k_pad = -(-pw.k // _C.MXFP4_PACK_K) * _C.MXFP4_PACK_K
+    if (pw.n < 1 or pw.k < 32 or pw.k % 32 or (pw.fuse_swiglu and pw.n % 2)
+            or tuple(d.shape[1:]) != (n_pad // 16, k_pad // 64, _C.MXFP4_BLOCK_BYTES)
+            or d.shape[0] < 1):
+        raise ValueError(f"{op}: w (Mxfp4PackedWeights) data of shape {tuple(d.shape)} does not "
+                         f"match n={pw.n}, k={pw.k}, fuse_swiglu={pw.fuse_swiglu}; build it with "
+                         "mxfp4_prepack")
+    if d.data_ptr() % 16:
+        raise ValueError(f"{op}: w (Mxfp4PackedWeights) data must be 16-byte aligned")
+
+
 def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``mxfp4_prepack``: the checkpoint layout ``(w [E, N, K/2], w_scale
     [E, N, K/32])`` as uint8, on the packed weights' device (torch ops, no host sync)."""
@@ -216,6 +232,8 @@ def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
 def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_rows, cap, k,
                  fuse, limit) -> None:
     dev = a.device
+    if a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
+        a = a.clone()
     args = (ptr(a), dtype_code(a), ptr(a_scale), ptr(pw.data), pw.n_pad, pw.k_pad,
             pw.fuse_swiglu, pw.wide_scales, ptr(offsets), ptr(counts), ptr(masked_m), ptr(out),
             dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, _FORCE_TILE)
@@ -310,6 +328,7 @@ def mxfp4_grouped_gemm(
         if w.data.device != device:
             raise ValueError(f"{op}: w (Mxfp4PackedWeights) must be on {device} like the other "
                              f"inputs, got {w.data.device}")
+        _check_packed(op, w)
         num_experts, n = w.num_experts, w.n
         if w.k != k:
             raise ValueError(f"{op}: w was packed for K = {w.k}, but a's last dim is K = {k}")
