@@ -255,7 +255,8 @@ def cuda_main(args, quick: bool) -> None:
         weights[name] = make_weights(EXPERTS, n, k, dgen)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        packed[name] = mxfp4_prepack(*weights[name], fuse_swiglu=fuse)
+        packed[name] = {act: mxfp4_prepack(*weights[name], fuse_swiglu=fuse, act_dtype=dt)
+                        for act, dt in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn))}
         torch.cuda.synchronize()
         prepack_s[name] = time.perf_counter() - t0
     torch_path = TorchPath()
@@ -270,7 +271,6 @@ def cuda_main(args, quick: bool) -> None:
             off_dev = offsets.cuda()
             for name, (n, k, fuse) in gemms.items():
                 w, s = weights[name]
-                pw = packed[name]
                 n_out = n // 2 if fuse else n
                 x = torch.randn(m, k, generator=dgen, device="cuda") * 0.5
                 for act in ("bf16", "fp8"):
@@ -279,6 +279,7 @@ def cuda_main(args, quick: bool) -> None:
                     else:
                         a, a_scale = _quant_fp8(x)
                     lim = LIMIT if fuse else None
+                    pw = packed[name][act]
                     run = lambda: mxfp4_grouped_gemm(  # noqa: E731
                         a, pw, None, a_scale=a_scale, expert_offsets=off_dev, fuse_swiglu=fuse,
                         swiglu_limit=lim)

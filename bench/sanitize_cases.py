@@ -59,7 +59,7 @@ x3 = torch.randn(E, 21, K, generator=gen).to("cuda", torch.bfloat16)
 K8 = 256
 w8 = torch.randint(0, 256, (E, N, K8 // 2), generator=gen, dtype=torch.uint8).cuda()
 s8 = torch.randint(115, 135, (E, N, K8 // 32), generator=gen, dtype=torch.uint8).cuda()
-p8 = mxfp4_prepack(w8, s8, fuse_swiglu=True)
+p8 = mxfp4_prepack(w8, s8, fuse_swiglu=True, act_dtype=torch.float8_e4m3fn)
 x8 = torch.randn(E, 21, K8, generator=gen).to("cuda", torch.float8_e4m3fn)
 sc8 = torch.rand(E, 21, K8 // 128, generator=gen).cuda()
 for tile in (1, 2):

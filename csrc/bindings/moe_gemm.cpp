@@ -51,7 +51,8 @@ void register_moe_gemm(py::module_& m) {
   m.def(
       "mxfp4_grouped_gemm_cuda",
       [](uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t w_packed, int64_t n_pad,
-         int64_t k_pad, bool gate_up_interleaved, bool wide_scales, uintptr_t expert_offsets,
+         int64_t k_pad, bool gate_up_interleaved, bool fp8_layout, bool wide_scales,
+         uintptr_t expert_offsets,
          uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out, int out_dtype,
          int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k, bool fuse_swiglu,
          std::optional<double> swiglu_limit, int tile, uintptr_t stream) {
@@ -64,6 +65,7 @@ void register_moe_gemm(py::module_& m) {
         p.n_pad = n_pad;
         p.k_pad = k_pad;
         p.gate_up_interleaved = gate_up_interleaved;
+        p.fp8_layout = fp8_layout;
         p.wide_scales = wide_scales;
         p.expert_offsets = as_ptr<const int32_t>(expert_offsets);
         p.expert_counts = as_ptr<const int32_t>(expert_counts);
@@ -83,7 +85,8 @@ void register_moe_gemm(py::module_& m) {
         mxfp4_grouped_gemm_cuda(p, as_ptr<void>(stream));
 #else
         (void)a, (void)a_dtype, (void)a_scale, (void)w_packed, (void)n_pad, (void)k_pad;
-        (void)gate_up_interleaved, (void)wide_scales, (void)expert_offsets, (void)expert_counts;
+        (void)gate_up_interleaved, (void)fp8_layout, (void)wide_scales, (void)expert_offsets;
+        (void)expert_counts;
         (void)masked_m, (void)out, (void)out_dtype, (void)num_experts, (void)m_rows, (void)cap;
         (void)n, (void)k, (void)fuse_swiglu, (void)swiglu_limit, (void)tile, (void)stream;
         throw std::runtime_error("zeroinfer._C was built without CUDA");
@@ -92,7 +95,8 @@ void register_moe_gemm(py::module_& m) {
       "MXFP4 grouped GEMM, CUDA (packed weights from zeroinfer.ops.mxfp4_prepack; see "
       "zeroinfer.ops.mxfp4_grouped_gemm; no validation of tensor sizes here)",
       py::arg("a"), py::arg("a_dtype"), py::arg("a_scale"), py::arg("w_packed"), py::arg("n_pad"),
-      py::arg("k_pad"), py::arg("gate_up_interleaved"), py::arg("wide_scales"),
+      py::arg("k_pad"), py::arg("gate_up_interleaved"), py::arg("fp8_layout"),
+      py::arg("wide_scales"),
       py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("masked_m"), py::arg("out"),
       py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
       py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"), py::arg("tile"),

@@ -3,7 +3,8 @@
 // Swap AB: the weight rows are the MMA's M dimension (16 per mma) and the tokens its N dimension
 // (8 per mma), so an expert with 1..8 tokens wastes no weight bandwidth. Weights are streamed in
 // the repacked layout (zeroinfer.ops.mxfp4_prepack): per 16 rows x 64 k, lane L's 16 bytes at
-// L*16 are exactly its A-fragment nibbles for the block, followed by the block's 32 scale bytes.
+// L*16 are exactly its A-fragment values for the block (bit layout per activation type, chosen
+// for the cheapest decode), followed by the block's 32 scale bytes.
 //
 // Numerics (identical for every tile shape, so results are batch-invariant and deterministic):
 //   W4A16 (bf16 activations): e2m1 -> bf16 is exact: a nibble s|c (c = 3 code bits) placed as
@@ -72,6 +73,7 @@ struct Cfg {
   static constexpr int s_bytes = fp8 ? bm * 4 : 0;
   static constexpr int stage_bytes = w_bytes + a_bytes + s_bytes;
   static constexpr int chunks_per_row = fp8 ? kBK / 16 : kBK * 2 / 16;
+  static constexpr int w_chunks = (strips * kStripChunks + threads - 1) / threads;
   static_assert(stage_bytes % 16 == 0, "stage must keep 16-byte alignment");
   // A warp's strips never straddle the end of the packed rows (kMxfp4PackRows / 16 = 8 strips).
   static_assert((kMxfp4PackRows / 16) % kWN == 0, "warp strips must divide the row padding");
@@ -82,7 +84,7 @@ using SmallCfg = Cfg<F, 4, 1, 1, 4, 5, 3>;
 template <bool F>
 using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
 
-// ---- PTX wrappers -------------------------------------------------------------------------------
+// ---- PTX wrappers ------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -133,28 +135,28 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
-// ---- weight decode ------------------------------------------------------------------------------
-// A 32-bit word of the packed layout holds 8 nibbles; nibble slot i = bits 4i..4i+3. For lane
-// (g = lane/4, t = lane%4), word w = 2*s + h of a block (s: 32-group, h: 16-half) holds
-//   slot 3: (row g,   k 16h+4t+0)   slot 7: (row g,   +1)   slot 1: (row g,   +2)   slot 5: (row g,   +3)
-//   slot 2: (row g+8, k 16h+4t+0)   slot 6: (row g+8, +1)   slot 0: (row g+8, +2)   slot 4: (row g+8, +3)
-// (k relative to the block's 32-group s). Built by _block_maps in python/zeroinfer/ops/moe_gemm.py.
+// ---- weight decode -----------------------------------------------------------------------------
+// A 32-bit word of a packed block holds 8 e2m1 values; for lane (g = lane/4, t = lane%4), word
+// w = 2*s + h (s: 32-group, h: 16-half) holds rows g and g+8 at k 32s + 16h + 4t + j, j = 0..3.
+// The bit positions differ per activation type (built by _block_maps in
+// python/zeroinfer/ops/moe_gemm.py; the CPU tests emulate these decoders bit for bit).
 
-// bf16 A fragment of the k16 step (s, h): a0 = (g; +0,+1), a1 = (g+8; +0,+1), a2 = (g; +2,+3),
-// a3 = (g+8; +2,+3); pair p comes from slots 3-p (low half) and 7-p (high half), i.e. the top
-// nibble of each 16-bit half of q << 4p: sign bit 15 stays, code bits 14..12 move to 8..6.
-// Result: bf16 values times 2^-126 (unscaled).
+// bf16 layout -> the k16 step's A fragment: a0 = (g; j0,j1), a1 = (g+8; j0,j1), a2 = (g; j2,j3),
+// a3 = (g+8; j2,j3), each a bf16 pair (low half = first value) with bits sgn<<15 | e1 e0 m<<6,
+// i.e. the value times 2^-126 (unscaled). a0 is the word masked, a1 / a2 the word rotated right
+// by 3 / 6 and masked; a3's bits (e0 e1 at 0 1, m at 3, sgn at 4, +16 for j3) take 3 shifts.
 __device__ __forceinline__ void decode_bf16_raw(uint32_t q, uint32_t (&a)[4]) {
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const uint32_t x = q << (4 * p);
-    a[p] = (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
-  }
+  constexpr uint32_t kPair = 0x81C081C0u;  // sgn 15 | e1 e0 m 8..6, twice
+  a[0] = q & kPair;
+  a[1] = __funnelshift_r(q, q, 3) & kPair;
+  a[2] = __funnelshift_r(q, q, 6) & kPair;
+  a[3] = ((q << 7) & 0x01800180u) | ((q << 3) & 0x00400040u) | ((q << 11) & 0x80008000u);
 }
 
-// e4m3 A-fragment registers of one k16 half: rg = row g bytes (+0..+3), r8 = row g+8, each byte
-// s<<7 | c<<2 = e2m1 value times 2^-6. Gather the bytes holding (+0, +1, +2, +3) first: row g's
-// nibbles are then the high nibbles of x's bytes, row g+8's the low nibbles.
+// float8 ("nibble") layout: value (r, j) is the nibble in slot 3, 7, 1, 5 (row g, j = 0..3) or
+// 2, 6, 0, 4 (row g+8). -> e4m3 A-fragment registers of one k16 half: rg = row g bytes j0..j3,
+// r8 = row g+8, each byte sgn<<7 | e1 e0 m<<2 = the value times 2^-6. Gather the bytes holding
+// j0..j3 first: row g's nibbles are then the high nibbles of x's bytes, row g+8's the low ones.
 __device__ __forceinline__ void decode_e4m3_raw(uint32_t q, uint32_t& rg, uint32_t& r8) {
   const uint32_t x = __byte_perm(q, 0u, 0x2031u);  // bytes (1, 3, 0, 2) of q
   rg = (x & 0x80808080u) | ((x >> 2) & 0x1C1C1C1Cu);
@@ -183,13 +185,15 @@ __device__ __forceinline__ void bf16_multipliers(uint32_t sc, bool wide, uint32_
   }
 }
 
-// ---- one pipeline stage of one warp ---------------------------------------------------------------
+// ---- one pipeline stage of one warp ------------------------------------------------------------
 // acc[i][j]: strip i (16 weight rows) x token step j (8 tokens), C-fragment order
 // (c0: row g, token 2t; c1: row g, token 2t+1; c2: row g+8, token 2t; c3: row g+8, token 2t+1).
-template <class C>
+// kNJ > 0: exactly kNJ token steps are live (compile time); kNJ == 0: `nj` of them (run time).
+template <class C, int kNJ>
 __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, int lane, int warp_n,
-                                              int warp_m, int nj, bool wide,
+                                              int warp_m, int nj_dyn, bool wide,
                                               float (&acc)[C::wn][C::wt][4]) {
+  const int nj = kNJ > 0 ? kNJ : nj_dyn;
   const int g = lane >> 2, t = lane & 3;
   const uint8_t* wst = st + warp_n * C::wn * kStripStage;
   const uint8_t* ast = st + C::w_bytes + (warp_m * C::wt * 8 + g) * C::a_pitch;
@@ -296,7 +300,7 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, in
   }
 }
 
-// ---- device-side schedule -------------------------------------------------------------------------
+// ---- device-side schedule ----------------------------------------------------------------------
 // prefix[e] = tiles of the experts before e (bm rows per tile); prefix[E] = total tiles.
 template <class C>
 __device__ void build_schedule(const Mxfp4CudaGemmParams& p, int* prefix, int* row0, int* cnt) {
@@ -361,7 +365,7 @@ __device__ __forceinline__ float swiglu(float gt, float up, bool has_limit, floa
   return gt / (1.f + expf(-gt)) * up;
 }
 
-// ---- the kernel ------------------------------------------------------------------------------------
+// ---- the kernel --------------------------------------------------------------------------------
 template <class C>
 __global__ void __launch_bounds__(C::threads, C::min_blocks)
     mxfp4_moe_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
@@ -413,13 +417,39 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const uint8_t* atile =
         static_cast<const uint8_t*>(p.a) + static_cast<int64_t>(tile_row0) * k * kEsize;
 
+    // Decode tile: this thread's 16-byte weight chunks of a stage are computed once per item
+    // (source offset from wtile at stage 0, destination offset in the stage, ~0u: none); a stage
+    // adds kt * kStripStage to the source. The prefill tile (register-bound) recomputes them.
+    constexpr bool kPre = C::w_chunks <= 3;
+    constexpr int kPreN = kPre ? C::w_chunks : 1;
+    uint32_t w_src[kPreN], w_dst[kPreN];
+    if constexpr (kPre) {
+#pragma unroll
+      for (int u = 0; u < kPreN; ++u) {
+        const int c = tid + u * C::threads;
+        const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
+        const bool ok = c < C::strips * kStripChunks && i < strips_valid;
+        w_src[u] = ok ? static_cast<uint32_t>(i * kb_total * kBlk + off) : 0u;
+        w_dst[u] = ok ? static_cast<uint32_t>(i * kStripStage + off) : ~0u;
+      }
+    }
+
     auto load_stage = [&](int slot_idx, int kt) {
       uint8_t* st = smem + slot_idx * C::stage_bytes;
-      for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
-        const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
-        if (i < strips_valid)
-          cp_async16(smem_u32(st + i * kStripStage + off),
-                     wtile + (static_cast<int64_t>(i) * kb_total + 2 * kt) * kBlk + off, true);
+      const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
+      if constexpr (kPre) {
+        const uint32_t st_u32 = smem_u32(st);
+#pragma unroll
+        for (int u = 0; u < kPreN; ++u) {
+          if (w_dst[u] != ~0u) cp_async16(st_u32 + w_dst[u], wk + w_src[u], true);
+        }
+      } else {
+        for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
+          const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
+          if (i < strips_valid)
+            cp_async16(smem_u32(st + i * kStripStage + off),
+                       wk + static_cast<int64_t>(i) * kb_total * kBlk + off, true);
+        }
       }
       for (int c = tid; c < tile_rows * C::chunks_per_row; c += C::threads) {
         const int r = c / C::chunks_per_row, cc = c - r * C::chunks_per_row;
@@ -457,9 +487,21 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       const int nk = kt + C::stages - 1;
       if (nk < kt_total) load_stage(nk % C::stages, nk);
       cp_async_commit();
-      if (warp_active)
-        compute_stage<C>(smem + (kt % C::stages) * C::stage_bytes, lane, warp_n, warp_m, nj, wide,
-                         acc);
+      if (warp_active) {
+        const uint8_t* st = smem + (kt % C::stages) * C::stage_bytes;
+        if constexpr (C::wt == 4) {  // decode tile: one variant per live token-step count
+          if (nj == 1)
+            compute_stage<C, 1>(st, lane, warp_n, warp_m, nj, wide, acc);
+          else if (nj == 2)
+            compute_stage<C, 2>(st, lane, warp_n, warp_m, nj, wide, acc);
+          else if (nj == 3)
+            compute_stage<C, 3>(st, lane, warp_n, warp_m, nj, wide, acc);
+          else
+            compute_stage<C, 4>(st, lane, warp_n, warp_m, nj, wide, acc);
+        } else {  // prefill tile: run-time count (register budget)
+          compute_stage<C, 0>(st, lane, warp_n, warp_m, nj, wide, acc);
+        }
+      }
     }
     cp_async_wait<0>();
     __syncthreads();  // the next item's prologue overwrites every stage
@@ -500,7 +542,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   }
 }
 
-// ---- host side -----------------------------------------------------------------------------------
+// ---- host side ---------------------------------------------------------------------------------
 constexpr int kMaxDevices = 64;
 
 int64_t schedule_smem_bytes(int64_t num_experts) { return (3 * num_experts + 1) * 4; }
@@ -567,6 +609,9 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
   ZI_CHECK(p.k_pad >= p.k && p.k_pad % kMxfp4PackK == 0 && p.k_pad - p.k < kMxfp4PackK,
            "k_pad must be k rounded up to kMxfp4PackK");
   ZI_CHECK(p.n >= 1 && p.n_pad % kMxfp4PackRows == 0, "n_pad must be a multiple of kMxfp4PackRows");
+  ZI_CHECK(p.k_pad <= (int64_t{1} << 22), "k too large for the kernel's 32-bit weight offsets");
+  ZI_CHECK(p.fp8_layout == (p.a_dtype == DType::kFloat8E4M3),
+           "packed weights' bit layout does not match the activation dtype");
   ZI_CHECK(p.gate_up_interleaved == p.fuse_swiglu,
            "fuse_swiglu needs gate/up-interleaved packed weights (and only then)");
   ZI_CHECK(!p.fuse_swiglu || (p.n % 2 == 0 && p.n_pad >= 2 * ((p.n / 2 + 7) / 8 * 8)),

@@ -40,14 +40,15 @@ def rand_weights(gen, E, N, K, lo=110, hi=140):
 
 
 # =========================================================================== CPU: the repack
+@pytest.mark.parametrize("act", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("E,N,K", [(1, 32, 32), (3, 96, 256), (2, 34, 1056), (2, 256, 128),
                                    (1, 4096, 256)])
-def test_prepack_roundtrip(gen, E, N, K, fuse):
+def test_prepack_roundtrip(gen, E, N, K, fuse, act):
     w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
     s = torch.randint(0, 256, (E, N, K // 32), dtype=torch.uint8, generator=gen)
-    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse)
-    assert isinstance(pw, Mxfp4PackedWeights)
+    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
+    assert isinstance(pw, Mxfp4PackedWeights) and pw.act_dtype == act
     assert pw.data.dtype == torch.uint8 and pw.data.is_contiguous()
     assert pw.n_pad % _C.MXFP4_PACK_ROWS == 0 and pw.k_pad % _C.MXFP4_PACK_K == 0
     assert pw.k_pad - K < _C.MXFP4_PACK_K and pw.data.shape[-1] == _C.MXFP4_BLOCK_BYTES
@@ -57,40 +58,42 @@ def test_prepack_roundtrip(gen, E, N, K, fuse):
     assert torch.equal(w2, w) and torch.equal(s2, s)
     # checkpoint dtypes (int8 / float8_e8m0fnu) are the same bytes
     pw2 = mxfp4_prepack(w.view(torch.int8), s.view(E8M0) if E8M0 is not None else s,
-                        fuse_swiglu=fuse)
+                        fuse_swiglu=fuse, act_dtype=act)
     assert torch.equal(pw2.data, pw.data)
 
 
 def test_prepack_padding_and_interleave():
-    """Padding rows / k hold zero nibbles with scale 127; the interleave puts gate row 8b+i at
-    packed row 16b+i and up row N/2+8b+i at 16b+8+i (checked through the unpacked weights of a
-    weight whose rows are distinguishable)."""
+    """Padding rows / k hold zero values with scale 127; the interleave puts gate row 8b+i at
+    packed row 16b+i and up row N/2+8b+i at 16b+8+i (read back through the bit map)."""
     E, N, K = 1, 20, 96  # H = 10: packed 2 * 64 rows, k padded to 128
     w = torch.randint(1, 256, (E, N, K // 2), dtype=torch.uint8)
     s = torch.arange(N, dtype=torch.uint8).repeat_interleave(K // 32).reshape(1, N, K // 32) + 100
-    for fuse in (False, True):
-        pw = mxfp4_prepack(w, s, fuse_swiglu=fuse)
-        nib_map, sc_map = mg._block_maps(torch.device("cpu"))
-        d = pw.data[0]
-        body = torch.stack([d[..., :512] & 15, d[..., :512] >> 4], -1).reshape(*d.shape[:2], 1024)
-        blocks = torch.empty_like(body).index_copy_(-1, nib_map, body)
-        nib = blocks.reshape(d.shape[0], d.shape[1], 16, 64).permute(0, 2, 1, 3).reshape(
-            pw.n_pad, pw.k_pad)
-        sb = torch.empty_like(d[..., 512:]).index_copy_(-1, sc_map, d[..., 512:].contiguous())
-        sc = sb.reshape(d.shape[0], d.shape[1], 16, 2).permute(0, 2, 1, 3).reshape(pw.n_pad, -1)
-        assert bool((nib[:, K:] == 0).all()) and bool((sc[:, K // 32:] == 127).all())
-        if fuse:
-            for p in range(pw.n_pad):
-                b, q = divmod(p, 16)
-                h = 8 * b + q % 8
-                want = (h if q < 8 else N // 2 + h) if h < N // 2 else None
-                if want is None:
-                    assert bool((nib[p] == 0).all()) and bool((sc[p] == 127).all())
-                else:
-                    assert int(sc[p, 0]) == 100 + want
-        else:
-            assert [int(v) for v in sc[:N, 0]] == list(range(100, 100 + N))
-            assert bool((nib[N:] == 0).all()) and bool((sc[N:] == 127).all())
+    for act in (torch.bfloat16, FP8):
+        for fuse in (False, True):
+            pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
+            bit_map, sc_map = mg._block_maps(torch.device("cpu"), act)
+            d = pw.data[0]
+            pb = ((d[..., :512, None] >> torch.arange(8, dtype=torch.uint8)) & 1)
+            pb = pb.reshape(*d.shape[:2], 4096)
+            bits = torch.empty_like(pb).index_copy_(-1, bit_map, pb).reshape(*d.shape[:2], 1024, 4)
+            blocks = bits[..., 0] | bits[..., 1] << 1 | bits[..., 2] << 2 | bits[..., 3] << 3
+            nib = blocks.reshape(d.shape[0], d.shape[1], 16, 64).permute(0, 2, 1, 3).reshape(
+                pw.n_pad, pw.k_pad)
+            sb = torch.empty_like(d[..., 512:]).index_copy_(-1, sc_map, d[..., 512:].contiguous())
+            sc = sb.reshape(d.shape[0], d.shape[1], 16, 2).permute(0, 2, 1, 3).reshape(pw.n_pad, -1)
+            assert bool((nib[:, K:] == 0).all()) and bool((sc[:, K // 32:] == 127).all())
+            if fuse:
+                for p in range(pw.n_pad):
+                    b, q = divmod(p, 16)
+                    h = 8 * b + q % 8
+                    want = (h if q < 8 else N // 2 + h) if h < N // 2 else None
+                    if want is None:
+                        assert bool((nib[p] == 0).all()) and bool((sc[p] == 127).all())
+                    else:
+                        assert int(sc[p, 0]) == 100 + want
+            else:
+                assert [int(v) for v in sc[:N, 0]] == list(range(100, 100 + N))
+                assert bool((nib[N:] == 0).all()) and bool((sc[N:] == 127).all())
 
 
 # ================================================ CPU: emulation of the kernel's weight decode
@@ -136,10 +139,10 @@ def emulate_bf16_weights(pw):
         for word in range(4):
             s, h = divmod(word, 2)
             q = words[:, :, :, lane, word]
-            a = []
-            for p in range(4):  # decode_bf16_raw
-                x = (q << (4 * p)) & M
-                a.append((x & 0x80008000) | ((x >> 6) & 0x01C001C0))
+            rot3 = ((q >> 3) | (q << 29)) & M
+            rot6 = ((q >> 6) | (q << 26)) & M
+            a = [q & 0x81C081C0, rot3 & 0x81C081C0, rot6 & 0x81C081C0,  # decode_bf16_raw
+                 ((q << 7) & 0x01800180) | ((q << 3) & 0x00400040) | ((q << 11) & 0x80008000)]
             # PTX m16n8k16 A fragment: a0 (g; 2t, 2t+1) a1 (g+8; 2t, 2t+1) a2 (g; 2t+8, 2t+9)
             # a3 (g+8; 2t+8, 2t+9). Scales: a0, a2 by row g's group s, a1, a3 by row g+8's.
             for p, (row, kl0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8),
@@ -214,7 +217,7 @@ def test_emulated_bf16_decode_is_exact(gen, fuse, scales):
     w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
     lo, hi = (90, 128) if scales == "narrow" else (0, 255)
     s = torch.randint(lo, hi + 1, (E, N, K // 32), dtype=torch.uint8, generator=gen)
-    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse)
+    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=torch.bfloat16)
     assert pw.wide_scales == (scales == "wide")
     got = emulate_bf16_weights(pw)
     ref = _packed_reference(pw, w, s)
@@ -232,7 +235,7 @@ def test_emulated_bf16_wide_and_narrow_agree(gen):
     w = torch.randint(0, 256, (1, 32, 64), dtype=torch.uint8, generator=gen)
     s = torch.randint(60, 129, (1, 32, 4), dtype=torch.uint8, generator=gen)
     narrow = mxfp4_prepack(w, s)
-    wide = Mxfp4PackedWeights(narrow.data, narrow.n, narrow.k, False, True)
+    wide = Mxfp4PackedWeights(narrow.data, narrow.n, narrow.k, False, torch.bfloat16, True)
     assert torch.equal(emulate_bf16_weights(narrow), emulate_bf16_weights(wide))
 
 
@@ -241,7 +244,7 @@ def test_emulated_e4m3_decode_is_exact(gen, fuse):
     E, N, K = 2, 48, 256
     w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
     s = torch.randint(0, 256, (E, N, K // 32), dtype=torch.uint8, generator=gen)
-    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse)
+    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=FP8)
     assert _same(emulate_e4m3_weights(pw), _packed_reference(pw, w, s))
 
 
@@ -254,9 +257,10 @@ def test_packed_weights_on_cpu(gen, fuse):
     off = torch.tensor([0, 4, 4, 10], dtype=torch.int32)
     lim = 4.0 if fuse else None
     want = mxfp4_grouped_gemm(a, w, s, expert_offsets=off, fuse_swiglu=fuse, swiglu_limit=lim)
-    got = mxfp4_grouped_gemm(a, mxfp4_prepack(w, s, fuse_swiglu=fuse), None, expert_offsets=off,
-                             fuse_swiglu=fuse, swiglu_limit=lim)
-    assert torch.equal(got, want)
+    for act in (torch.bfloat16, FP8):  # float32 activations: any layout (unpacked on CPU)
+        got = mxfp4_grouped_gemm(a, mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act), None,
+                                 expert_offsets=off, fuse_swiglu=fuse, swiglu_limit=lim)
+        assert torch.equal(got, want)
 
 
 def test_packed_weights_bad_arguments(gen):
@@ -272,12 +276,19 @@ def test_packed_weights_bad_arguments(gen):
         mxfp4_grouped_gemm(a, mxfp4_prepack(w, s, fuse_swiglu=True), None, expert_offsets=off)
     with pytest.raises(ValueError, match=r"w was packed for K = 128, but a's last dim is K = 64"):
         mxfp4_grouped_gemm(torch.randn(6, 64), pw, None, expert_offsets=off)
-    on_meta = Mxfp4PackedWeights(pw.data.to("meta"), pw.n, pw.k, pw.fuse_swiglu, pw.wide_scales)
+    on_meta = Mxfp4PackedWeights(pw.data.to("meta"), pw.n, pw.k, pw.fuse_swiglu, pw.act_dtype,
+                                 pw.wide_scales)
     with pytest.raises(ValueError, match=r"w \(Mxfp4PackedWeights\) must be on cpu"):
         mxfp4_grouped_gemm(a, on_meta, None, expert_offsets=off)
-    bad = Mxfp4PackedWeights(pw.data[:, :, :1].contiguous(), pw.n, pw.k, False, True)
+    bad = Mxfp4PackedWeights(pw.data[:, :, :1].contiguous(), pw.n, pw.k, False, torch.bfloat16,
+                             True)
     with pytest.raises(ValueError, match=r"does not match n=64, k=128"):
         mxfp4_grouped_gemm(a, bad, None, expert_offsets=off)
+    with pytest.raises(ValueError, match=r"w was packed for bfloat16 activations but a is "
+                       r"float8_e4m3fn; prepack with act_dtype=torch.float8_e4m3fn"):
+        mxfp4_grouped_gemm(a.to(FP8), pw, None, expert_offsets=off, a_scale=torch.ones(6, 1))
+    with pytest.raises(TypeError, match=r"act_dtype must be bfloat16 or float8_e4m3fn"):
+        mxfp4_prepack(w, s, act_dtype=torch.float32)
     with pytest.raises(ValueError, match=r"fuse_swiglu needs an even N"):
         mxfp4_prepack(w[:, :33].contiguous(), s[:, :33].contiguous(), fuse_swiglu=True)
     with pytest.raises(TypeError, match=r"w_scale must have dtype"):
@@ -330,7 +341,8 @@ def run_cuda(c, *, out_dtype, packed=True, check=True):
     out = poisoned((*c["rows"], n_out), out_dtype).to(DEV)
     w, s = c["w"].to(DEV), c["s"].to(DEV)
     if packed:
-        w, s = mxfp4_prepack(w, s, fuse_swiglu=c["fuse"]), None
+        act = c["a"].dtype if c["a"].dtype in (torch.bfloat16, FP8) else torch.bfloat16
+        w, s = mxfp4_prepack(w, s, fuse_swiglu=c["fuse"], act_dtype=act), None
     got = mxfp4_grouped_gemm(c["a"].to(DEV), w, s, a_scale=_to(c["a_scale"]),
                              fuse_swiglu=c["fuse"], swiglu_limit=c["lim"], out=out,
                              out_dtype=out_dtype, check=check,
@@ -480,8 +492,8 @@ def test_cuda_extreme_scales(gen, tile, dtype):
         a = torch.zeros(K, K).fill_diagonal_(1.0).to(torch.bfloat16)
         a_scale = None
     off = torch.tensor([0, K // 2, K], dtype=torch.int32)
-    out = mxfp4_grouped_gemm(a.to(DEV), mxfp4_prepack(w.to(DEV), s.to(DEV)), None,
-                             a_scale=_to(a_scale), expert_offsets=off.to(DEV),
+    pw = mxfp4_prepack(w.to(DEV), s.to(DEV), act_dtype=dtype)
+    out = mxfp4_grouped_gemm(a.to(DEV), pw, None, a_scale=_to(a_scale), expert_offsets=off.to(DEV),
                              out_dtype=torch.float32).cpu().double()
     ref = mxfp4_grouped_gemm_ref(a, w, s, a_scale=a_scale, expert_offsets=off)
     # float32 holds every product (6 * 2^125 < 2^128); tiny ones may be flushed by the tensor

@@ -64,8 +64,9 @@ void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p);
 // The CUDA kernels read the weights in a one-time REPACKED layout (zeroinfer.ops.mxfp4_prepack),
 // not the checkpoint layout above:
 //   packed uint8 [num_experts, n_pad / 16, k_pad / 64, kMxfp4BlockBytes]
-// One block = 16 weight rows x 64 k: 512 bytes of e2m1 nibbles in mma-fragment order (lane L's 16
-// bytes at L*16 hold exactly its A-fragment nibbles for the 4 k16 / 2 k32 steps of the block)
+// One block = 16 weight rows x 64 k: 512 bytes of e2m1 values in mma-fragment order (lane L's 16
+// bytes at L*16 hold exactly its A-fragment values for the 4 k16 / 2 k32 steps of the block, bit
+// layout per activation type so that each decodes cheaply)
 // followed by the block's 32 UE8M0 scale bytes (8 lane groups x 4). n_pad is a multiple of
 // kMxfp4PackRows, k_pad of kMxfp4PackK; padding rows/columns hold zero weights (scale byte 127).
 // With gate_up_interleaved (for fuse_swiglu) each 16-row block holds gate rows 8b..8b+7 followed by
@@ -85,6 +86,7 @@ struct Mxfp4CudaGemmParams {
   int64_t n_pad = 0;                  // packed rows per expert (multiple of kMxfp4PackRows)
   int64_t k_pad = 0;                  // packed k (multiple of kMxfp4PackK), >= k
   bool gate_up_interleaved = false;   // must equal fuse_swiglu
+  bool fp8_layout = false;            // bit layout for float8 activations (must match a_dtype)
   // Some scale byte is > 128 (2^(s-1) no longer fits bf16 when folded with the e2m1 decode bias):
   // the bf16 path then scales in two exact steps. Always safe to set.
   bool wide_scales = true;

@@ -53,17 +53,18 @@ class Experts(nn.Module):
         self._packed_key: tuple | None = None
 
     def packed(self) -> tuple[ops.Mxfp4PackedWeights, ops.Mxfp4PackedWeights] | None:
-        """(gate_up, down) in the CUDA kernel's layout (ops.mxfp4_prepack), built once and
-        rebuilt only if the buffers change (moved or overwritten); None off CUDA. The buffers
-        stay as loaded (checkpoint layout, state_dict unchanged), so on CUDA the routed-expert
-        weights are held twice."""
+        """(gate_up, down) in the CUDA kernel's layout for bf16 activations (ops.mxfp4_prepack),
+        built once and rebuilt only if the buffers change (moved or overwritten); None off CUDA.
+        The buffers stay as loaded (checkpoint layout, state_dict unchanged), so on CUDA the
+        routed-expert weights are held twice."""
         bufs = (self.gate_up_blocks, self.gate_up_scales, self.down_blocks, self.down_scales)
         if bufs[0].device.type != "cuda":
             return None
         key = tuple((b.data_ptr(), b._version) for b in bufs)
         if self._packed_key != key:
-            self._packed = (ops.mxfp4_prepack(bufs[0], bufs[1], fuse_swiglu=True),
-                            ops.mxfp4_prepack(bufs[2], bufs[3]))
+            self._packed = (ops.mxfp4_prepack(bufs[0], bufs[1], fuse_swiglu=True,
+                                              act_dtype=torch.bfloat16),
+                            ops.mxfp4_prepack(bufs[2], bufs[3], act_dtype=torch.bfloat16))
             self._packed_key = key
         return self._packed
 
@@ -91,7 +92,7 @@ class MoE(nn.Module):
         ids, w = self.gate(y, input_ids)
         d = ops.moe_dispatch(y.contiguous(), ids, c.n_routed_experts)
         seg = dict(expert_offsets=d.expert_offsets, expert_counts=d.expert_counts, out_dtype=y.dtype)
-        pk = ex.packed()  # CUDA: the kernel's layout, prepacked once
+        pk = ex.packed() if y.dtype == torch.bfloat16 else None  # CUDA: prepacked once
         w1, s1 = (pk[0], None) if pk else (ex.gate_up_blocks, ex.gate_up_scales)
         w2, s2 = (pk[1], None) if pk else (ex.down_blocks, ex.down_scales)
         h = ops.mxfp4_grouped_gemm(d.sorted_x, w1, s1, fuse_swiglu=True, swiglu_limit=lam, **seg)

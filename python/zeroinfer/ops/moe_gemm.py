@@ -40,42 +40,65 @@ _FORCE_TILE = 0
 #
 #   data: uint8 [E, n_pad / 16, k_pad / 64, 544]
 #
-# A block covers 16 (packed) weight rows x 64 k. Bytes 0..511 hold the 1024 nibbles in mma
+# A block covers 16 (packed) weight rows x 64 k. Bytes 0..511 hold its 1024 e2m1 values in mma
 # fragment order: lane L = 4g + t (g = L // 4, t = L % 4) owns bytes 16L..16L+15 = four
 # little-endian 32-bit words; word w = 2s + h (s: 32-group of the block, h: 16-half of it) holds
-# nibble slots 0..7 (slot i = bits 4i..4i+3):
-#   slot 3, 7, 1, 5: row g,     k = 32s + 16h + 4t + 0, 1, 2, 3
-#   slot 2, 6, 0, 4: row g + 8, k = 32s + 16h + 4t + 0, 1, 2, 3
+# the 8 values (r, j), r in {row g, row g + 8}, j in 0..3, at k = 32s + 16h + 4t + j. Where each
+# value's 4 bits (m = mantissa, e0, e1 = exponent, sgn) sit in the word depends on the
+# activation type the weights are packed for (each decodes with the fewest instructions):
+#   float8 ("nibble" layout): value (r, j) is the nibble in slot i (bits 4i..4i+3, in the
+#     checkpoint's bit order) with i = 3, 7, 1, 5 for row g and j = 0..3, 2, 6, 0, 4 for row g+8.
+#   bfloat16: bit positions (m, e0, e1, sgn) of
+#     (g, 0): 6, 7, 8, 15      (g, 1): 22, 23, 24, 31   (g+8, 0): 9, 10, 11, 18
+#     (g+8, 1): 25, 26, 27, 2  (g, 2): 12, 13, 14, 21   (g, 3): 28, 29, 30, 5
+#     (g+8, 2): 3, 0, 1, 4     (g+8, 3): 19, 16, 17, 20
+#     i.e. the word itself, and the word rotated right by 3 and by 6, each masked with
+#     0x81C081C0, are bf16 pairs (value * 2^-126) of the A fragment; the last pair takes 3 shifts.
 # Bytes 512..543 hold the UE8M0 scales: byte 4g + c = (row g, group 0), (row g, group 1),
 # (row g + 8, group 0), (row g + 8, group 1) for c = 0..3. Rows are padded to a multiple of
-# MXFP4_PACK_ROWS and k to a multiple of MXFP4_PACK_K with zero nibbles and scale byte 127.
+# MXFP4_PACK_ROWS and k to a multiple of MXFP4_PACK_K with zero values and scale byte 127.
 # With fuse_swiglu the packed block b holds gate rows 8b..8b+7 (positions 0..7) and up rows
 # N/2 + 8b..8b+7 (positions 8..15), so each thread owns the gate and up value of an output.
 # --------------------------------------------------------------------------------------------
-_SLOT_ROW_J = {3: (0, 0), 7: (0, 1), 1: (0, 2), 5: (0, 3), 2: (8, 0), 6: (8, 1), 0: (8, 2),
-               4: (8, 3)}
-_BLOCK_MAPS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_FP8_SLOTS = {(0, 0): 3, (0, 1): 7, (0, 2): 1, (0, 3): 5, (1, 0): 2, (1, 1): 6, (1, 2): 0,
+              (1, 3): 4}
+_BF16_BITS = {(0, 0): (6, 7, 8, 15), (0, 1): (22, 23, 24, 31), (1, 0): (9, 10, 11, 18),
+              (1, 1): (25, 26, 27, 2), (0, 2): (12, 13, 14, 21), (0, 3): (28, 29, 30, 5),
+              (1, 2): (3, 0, 1, 4), (1, 3): (19, 16, 17, 20)}
+_ACT_DTYPES_CUDA = (torch.bfloat16, _FP8)
+_BLOCK_MAPS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _block_maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nibble map [1024], scale map [32]) of one packed block: packed nibble position
-    (lane * 32 + word * 8 + slot) -> row * 64 + k, and scale byte position -> row * 2 + group."""
-    maps = _BLOCK_MAPS.get(device)
+def _word_bits(act_dtype: torch.dtype) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+    """(r, j) -> bit positions in the 32-bit word of (m, e0, e1, sgn), i.e. of nibble bits 0..3."""
+    if act_dtype == _FP8:
+        return {rj: tuple(4 * slot + b for b in range(4)) for rj, slot in _FP8_SLOTS.items()}
+    return _BF16_BITS
+
+
+def _block_maps(device: torch.device,
+                act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bit map [4096], scale map [32]) of one packed block: packed bit (byte * 8 + bit) ->
+    (row * 64 + k) * 4 + nibble bit, and scale byte -> row * 2 + group."""
+    maps = _BLOCK_MAPS.get((device, act_dtype))
     if maps is None:
-        nib = torch.empty(1024, dtype=torch.long)
+        bits = _word_bits(act_dtype)
+        bm = torch.full((4096,), -1, dtype=torch.long)
         for lane in range(32):
             g, t = divmod(lane, 4)
             for word in range(4):
                 s, h = divmod(word, 2)
-                for slot in range(8):
-                    dr, j = _SLOT_ROW_J[slot]
-                    nib[lane * 32 + word * 8 + slot] = (g + dr) * 64 + 32 * s + 16 * h + 4 * t + j
+                for (r, j), pos in bits.items():
+                    k = 32 * s + 16 * h + 4 * t + j
+                    for b, q in enumerate(pos):
+                        bm[lane * 128 + word * 32 + q] = ((g + 8 * r) * 64 + k) * 4 + b
+        assert sorted(bm.tolist()) == list(range(4096))
         sc = torch.empty(32, dtype=torch.long)
         for g in range(8):
             for c, (dr, grp) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
                 sc[4 * g + c] = (g + dr) * 2 + grp
-        maps = (nib.to(device), sc.to(device))
-        _BLOCK_MAPS[device] = maps
+        maps = (bm.to(device), sc.to(device))
+        _BLOCK_MAPS[(device, act_dtype)] = maps
     return maps
 
 
@@ -103,13 +126,15 @@ class Mxfp4PackedWeights:
     """MXFP4 expert weights repacked for the CUDA kernel (see ``mxfp4_prepack``).
 
     data: uint8 ``[E, n_pad/16, k_pad/64, 544]``; n, k: the checkpoint's N and K; fuse_swiglu:
-    gate/up rows interleaved (use only with ``fuse_swiglu=True`` calls); wide_scales: some scale
+    gate/up rows interleaved (use only with ``fuse_swiglu=True`` calls); act_dtype: the
+    activation dtype the bit layout is for (bfloat16 or float8_e4m3fn); wide_scales: some scale
     byte may exceed 128 (the bf16 path then scales in two exact steps)."""
 
     data: torch.Tensor
     n: int
     k: int
     fuse_swiglu: bool
+    act_dtype: torch.dtype
     wide_scales: bool
 
     @property
@@ -130,19 +155,22 @@ class Mxfp4PackedWeights:
 
     def to(self, device: torch.device | str) -> Mxfp4PackedWeights:
         return Mxfp4PackedWeights(self.data.to(device), self.n, self.k, self.fuse_swiglu,
-                                  self.wide_scales)
+                                  self.act_dtype, self.wide_scales)
 
 
 def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool = False,
+                  act_dtype: torch.dtype = torch.bfloat16,
                   check_scales: bool = True) -> Mxfp4PackedWeights:
     """Repack checkpoint MXFP4 weights (``w`` ``[E, N, K/2]`` e2m1 pairs, ``w_scale``
     ``[E, N, K/32]`` UE8M0) into the CUDA kernel's layout, on their device, with torch ops.
 
     fuse_swiglu: interleave the gate (first N/2 rows) and up (last N/2 rows) halves for the
     fused gate/up GEMM; the result then only serves ``fuse_swiglu=True`` calls.
+    act_dtype: bfloat16 (W4A16) or float8_e4m3fn (W4A8): the activations the weights will meet
+    (the bit layout differs so that each path decodes with the fewest instructions).
     check_scales: look at the scale values once (a host sync) to enable the one-multiply bf16
     decode when every scale byte is <= 128 (all real checkpoints); False assumes the worst and
-    never syncs. Do this once at load; it costs about one read and write of the weights.
+    never syncs. Do this once at load; it costs a few passes over the weights.
     """
     op = "mxfp4_prepack"
     check_tensor(op, "w", w, dtypes=_W_DTYPES, ndim=3)
@@ -158,6 +186,8 @@ def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool =
         raise TypeError(f"{op}: fuse_swiglu must be a bool, got {type(fuse_swiglu).__name__}")
     if fuse_swiglu and n % 2 != 0:
         raise ValueError(f"{op}: fuse_swiglu needs an even N, got N = {n}")
+    if act_dtype not in _ACT_DTYPES_CUDA:
+        raise TypeError(f"{op}: act_dtype must be bfloat16 or float8_e4m3fn, got {act_dtype}")
     wb = w.view(torch.uint8) if w.dtype != torch.uint8 else w
     sb = w_scale.view(torch.uint8) if w_scale.dtype != torch.uint8 else w_scale
     n_pad, src = _packed_rows(n, fuse_swiglu, dev)
@@ -165,26 +195,33 @@ def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool =
     k_pad = -(-k // kq) * kq
     valid = (src >= 0)[None, :, None]
     src = src.clamp(min=0)
-    nib_map, sc_map = _block_maps(dev)
+    bit_map, sc_map = _block_maps(dev, act_dtype)
     nb, kb = n_pad // 16, k_pad // 64
     data = torch.empty(num_experts, nb, kb, _C.MXFP4_BLOCK_BYTES, dtype=torch.uint8, device=dev)
-    per = max(1, (1 << 28) // (n_pad * k_pad))  # bound the temporaries (~256 MiB of nibbles)
+    per = max(1, (1 << 26) // (n_pad * k_pad))  # bound the temporaries (~64 Mi values a chunk)
+    shifts = torch.arange(8, dtype=torch.uint8, device=dev)
     for e0 in range(0, num_experts, per):
         e1 = min(num_experts, e0 + per)
         c = e1 - e0
         wc = torch.where(valid, wb[e0:e1].index_select(1, src), 0)
         sc = torch.where(valid, sb[e0:e1].index_select(1, src), 127)
         nib = torch.stack([wc & 15, wc >> 4], dim=-1).reshape(c, n_pad, k)
+        del wc
         if k_pad > k:
             nib = torch.nn.functional.pad(nib, (0, k_pad - k))
             sc = torch.nn.functional.pad(sc, (0, (k_pad - k) // 32), value=127)
         blocks = nib.reshape(c, nb, 16, kb, 64).permute(0, 1, 3, 2, 4).reshape(c, nb, kb, 1024)
-        q = blocks.index_select(-1, nib_map)
-        data[e0:e1, :, :, :512] = q[..., 0::2] | (q[..., 1::2] << 4)
+        del nib
+        bits = torch.stack([(blocks >> b) & 1 for b in range(4)], dim=-1).reshape(c, nb, kb, 4096)
+        del blocks
+        pb = bits.index_select(-1, bit_map).reshape(c, nb, kb, 512, 8)
+        del bits
+        data[e0:e1, :, :, :512] = (pb << shifts).sum(-1, dtype=torch.uint8)
+        del pb
         sblk = sc.reshape(c, nb, 16, kb, 2).permute(0, 1, 3, 2, 4).reshape(c, nb, kb, 32)
         data[e0:e1, :, :, 512:] = sblk.index_select(-1, sc_map)
     wide = bool((sb > 128).any()) if check_scales else True
-    return Mxfp4PackedWeights(data, n, k, fuse_swiglu, wide)
+    return Mxfp4PackedWeights(data, n, k, fuse_swiglu, act_dtype, wide)
 
 
 def _check_packed(op: str, pw: Mxfp4PackedWeights) -> None:
@@ -193,6 +230,9 @@ def _check_packed(op: str, pw: Mxfp4PackedWeights) -> None:
     check_tensor(op, "w.data", d, dtypes=(torch.uint8,), ndim=4)
     n_pad, _ = _packed_rows(pw.n, pw.fuse_swiglu, torch.device("cpu"))
     k_pad = -(-pw.k // _C.MXFP4_PACK_K) * _C.MXFP4_PACK_K
+    if pw.act_dtype not in _ACT_DTYPES_CUDA:
+        raise ValueError(f"{op}: w (Mxfp4PackedWeights) act_dtype must be bfloat16 or "
+                         f"float8_e4m3fn, got {pw.act_dtype}")
     if (pw.n < 1 or pw.k < 32 or pw.k % 32 or (pw.fuse_swiglu and pw.n % 2)
             or tuple(d.shape[1:]) != (n_pad // 16, k_pad // 64, _C.MXFP4_BLOCK_BYTES)
             or d.shape[0] < 1):
@@ -211,10 +251,12 @@ def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
     d = pw.data
     dev = d.device
     num_experts, nb, kb, _ = d.shape
-    nib_map, sc_map = _block_maps(dev)
-    body = d[..., :512]
-    q = torch.stack([body & 15, body >> 4], dim=-1).reshape(num_experts, nb, kb, 1024)
-    blocks = torch.empty_like(q).index_copy_(-1, nib_map, q)
+    bit_map, sc_map = _block_maps(dev, pw.act_dtype)
+    shifts = torch.arange(8, dtype=torch.uint8, device=dev)
+    pb = ((d[..., :512, None] >> shifts) & 1).reshape(num_experts, nb, kb, 4096)
+    bits = torch.empty_like(pb).index_copy_(-1, bit_map, pb)
+    bits = bits.reshape(num_experts, nb, kb, 1024, 4)
+    blocks = bits[..., 0] | bits[..., 1] << 1 | bits[..., 2] << 2 | bits[..., 3] << 3
     nib = blocks.reshape(num_experts, nb, kb, 16, 64).permute(0, 1, 3, 2, 4)
     nib = nib.reshape(num_experts, nb * 16, kb * 64)
     sblk = torch.empty_like(d[..., 512:]).index_copy_(-1, sc_map, d[..., 512:].contiguous())
@@ -235,7 +277,8 @@ def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_
     if a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
         a = a.clone()
     args = (ptr(a), dtype_code(a), ptr(a_scale), ptr(pw.data), pw.n_pad, pw.k_pad,
-            pw.fuse_swiglu, pw.wide_scales, ptr(offsets), ptr(counts), ptr(masked_m), ptr(out),
+            pw.fuse_swiglu, pw.act_dtype == _FP8, pw.wide_scales, ptr(offsets), ptr(counts),
+            ptr(masked_m), ptr(out),
             dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, _FORCE_TILE)
     if dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
@@ -378,6 +421,9 @@ def mxfp4_grouped_gemm(
     if fuse_swiglu and n % 2 != 0:
         raise ValueError(f"{op}: fuse_swiglu needs an even N = w.shape[1] (gate rows then up "
                          f"rows), got N = {n}")
+    if packed and a.dtype in _ACT_DTYPES_CUDA and w.act_dtype != a.dtype:
+        raise ValueError(f"{op}: w was packed for {_name(w.act_dtype)} activations but a is "
+                         f"{_name(a.dtype)}; prepack with act_dtype=torch.{_name(a.dtype)}")
     if packed and w.fuse_swiglu != fuse_swiglu:
         raise ValueError(f"{op}: w was packed with fuse_swiglu={w.fuse_swiglu} (gate/up rows "
                          f"{'interleaved' if w.fuse_swiglu else 'in checkpoint order'}) but the "
@@ -428,7 +474,7 @@ def mxfp4_grouped_gemm(
                           fuse_swiglu, swiglu_limit, out)
             return out
         pw = w if packed else mxfp4_prepack(w, w_scale, fuse_swiglu=fuse_swiglu,
-                                            check_scales=False)
+                                            act_dtype=a.dtype, check_scales=False)
         _launch_cuda(a, pw, a_scale, expert_offsets, expert_counts, masked_m, out, num_experts,
                      m_rows, cap, k, fuse_swiglu, swiglu_limit)
         return out
