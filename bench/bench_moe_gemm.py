@@ -168,7 +168,7 @@ def _dequant_bf16(w, s):
     v = torch.tensor(_E2M1, dtype=torch.bfloat16, device=w.device)
     lut = torch.stack([v.repeat(16), v.repeat_interleave(16)], dim=-1)  # byte -> (lo, hi)
     g, n, kh = w.shape
-    vals = lut[w.long()].reshape(g, n, kh // 16, 32)
+    vals = lut[w.to(torch.int32)].reshape(g, n, kh // 16, 32)
     sc = torch.exp2(s.float() - 127).to(torch.bfloat16)  # exact (bf16 has float32's range)
     return (vals * sc[..., None]).reshape(g, n, kh * 2)
 

@@ -533,8 +533,8 @@ def test_cuda_float32_activations_use_interim_path(gen):
 
 @pytest.mark.gpu
 def test_cuda_large_problem_smoke(gen):
-    """V4-Flash down-GEMM shapes with 64 experts: a quick relative-error check on many tiles."""
-    E, N, K = 64, 4096, 2048
+    """V4-Flash down-GEMM shapes with 16 experts: a quick relative-error check on many tiles."""
+    E, N, K = 16, 4096, 2048
     counts = [int(v) for v in torch.randint(0, 40, (E,), generator=gen)]
     c = make_case(gen, E=E, N=N, K=K, dtype=torch.bfloat16, masked=False, counts=counts,
                   pad_max=0)
