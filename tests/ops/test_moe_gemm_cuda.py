@@ -353,9 +353,10 @@ def run_cuda(c, *, out_dtype, packed=True, check=True):
 
 
 def check_vs_ref(got, c, out_dtype, what):
-    """Element-wise tolerance of the CPU tests (bf16 out: rtol 1e-2; float32 out: 1e-3, since
-    the tensor cores' float32 accumulation is not IEEE round-to-nearest), plus the contract on
-    which rows are written, plus the relative Frobenius error < 1e-2."""
+    """Element-wise tolerance of the CPU tests for bf16 outputs (rtol 1e-2); float32 outputs
+    rtol 1e-3 / atol 1e-4 * max (1e-2 / 1e-3 with e4m3 activations), since the tensor cores'
+    accumulation is not IEEE float32; plus the contract on which rows are written, plus the
+    relative Frobenius error < 1e-2."""
     initial = poisoned(got.shape, torch.float64)
     ref = mxfp4_grouped_gemm_ref(c["a"], c["w"], c["s"], a_scale=c["a_scale"],
                                  fuse_swiglu=c["fuse"], swiglu_limit=c["lim"], initial=initial,
@@ -371,9 +372,11 @@ def check_vs_ref(got, c, out_dtype, what):
     rel = float((g - r).norm() / max(float(r.norm()), 1e-300))
     assert rel < 1e-2, f"{what}: relative error {rel:.3g} (norm of ref {float(r.norm()):.3g})"
     if out_dtype == torch.float32:
+        # e4m3 mma partials may be accumulated with less than float32 precision on Hopper
+        rtol, atol = (1e-2, 1e-3) if c["a"].dtype == FP8 else (1e-3, 1e-4)
         diff = (g - r).abs()
         scale = float(r.abs().max())
-        bound = 1e-3 * r.abs() + 1e-4 * scale
+        bound = rtol * r.abs() + atol * scale
         worst = int(torch.argmax(diff - bound))
         assert bool((diff <= bound).all()), (f"{what}: max excess {float(diff[worst]):.3g} got "
                                              f"{float(g[worst])} ref {float(r[worst])}")
