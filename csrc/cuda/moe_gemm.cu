@@ -14,8 +14,8 @@
 //     exactly. mma.sync m16n8k16 bf16 with float32 accumulation, in k order.
 //   W4A8 (e4m3 activations, per-token per-128 float32 scales): e2m1 -> e4m3 is exact the same way
 //     (bits s<<7 | c<<2 = value * 2^-6). One mma.sync m16n8k32 e4m3 per 32-wide weight scale
-//     group from a zero accumulator, then acc = fma(partial, w_scale * a_scale * 64, acc) in
-//     float32 (the 64 undoes the 2^-6 of the decode).
+//     group from a zero accumulator, then acc = fma(partial * w_scale, a_scale * 64, acc) in
+//     float32 (exact power-of-two product first; the 64 undoes the 2^-6 of the decode).
 //
 // K order: the MMA's k index is a permutation of the real k inside every 32-group (weights and
 // activations are permuted alike, so the dot product is unchanged): lane t of a k16 step holds
@@ -288,10 +288,12 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, in
             if (j < nj) {
               float d[4];
               mma_e4m3(d, a, b[j][0], b[j][1]);
-              acc[i][j][0] = fmaf(d[0], wg * as64[j][0], acc[i][j][0]);
-              acc[i][j][1] = fmaf(d[1], wg * as64[j][1], acc[i][j][1]);
-              acc[i][j][2] = fmaf(d[2], w8 * as64[j][0], acc[i][j][2]);
-              acc[i][j][3] = fmaf(d[3], w8 * as64[j][1], acc[i][j][3]);
+              // partial * w_scale is exact (a power of two), so this is one rounding of
+              // partial * w_scale * a_scale * 64 + acc, without overflowing w_scale * 64.
+              acc[i][j][0] = fmaf(d[0] * wg, as64[j][0], acc[i][j][0]);
+              acc[i][j][1] = fmaf(d[1] * wg, as64[j][1], acc[i][j][1]);
+              acc[i][j][2] = fmaf(d[2] * w8, as64[j][0], acc[i][j][2]);
+              acc[i][j][3] = fmaf(d[3] * w8, as64[j][1], acc[i][j][3]);
             }
           }
         }
