@@ -48,7 +48,7 @@ void register_moe_gemm(py::module_& m) {
       py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("masked_m"), py::arg("out"),
       py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
       py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"));
-  m.def(
+  def(m,
       "mxfp4_grouped_gemm_cuda",
       [](uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t w_packed, int64_t n_pad,
          int64_t k_pad, bool gate_up_interleaved, bool fp8_layout, bool wide_scales,
