@@ -328,6 +328,15 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
   }
 }
 
+// 1 / (sum + exp(sink)) for a row with running max m (base 2) and sum l, or 0 when no key was
+// valid (l == 0): the output's normalisation, shared by the one-split store and the combine.
+__device__ __forceinline__ float output_scale(float l, float m, const float* sink, int h) {
+  if (!(l > 0.f)) return 0.f;
+  float denom = l;
+  if (sink != nullptr) denom += exp2f(sink[h] * kLog2e - m);
+  return 1.f / denom;
+}
+
 // Barrier over the threads that compute (all of the CTA, or the kConsumers threads of a
 // warp-specialised CTA, named barrier 5).
 template <int kConsumers>
@@ -375,12 +384,7 @@ __device__ __forceinline__ void store_outputs(float (&acc)[OT][4], float (&m_run
     if (h >= a.num_heads) continue;
     const float l = l_run[r], m = m_run[r];
     if (a.num_splits == 1) {
-      float inv = 0.f;
-      if (l > 0.f) {
-        float denom = l;
-        if (a.sink != nullptr) denom += exp2f(a.sink[h] * kLog2e - m);
-        inv = 1.f / denom;
-      }
+      const float inv = output_scale(l, m, a.sink, h);
       __nv_bfloat16* o = a.out + t * a.out_stride_token + static_cast<int64_t>(h) * a.out_stride_head;
 #pragma unroll
       for (int j = 0; j < OT; ++j) {
@@ -688,12 +692,7 @@ __global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const KernelArg
       }
     }
   }
-  float inv = 0.f;
-  if (l > 0.f) {
-    float denom = l;
-    if (a.sink != nullptr) denom += exp2f(a.sink[h] * kLog2e - m);
-    inv = 1.f / denom;
-  }
+  const float inv = output_scale(l, m, a.sink, h);
   __nv_bfloat16* out = a.out + t * a.out_stride_token + static_cast<int64_t>(h) * a.out_stride_head;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {

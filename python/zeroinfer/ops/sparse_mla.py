@@ -127,16 +127,9 @@ def sparse_mla_attention(
                               out=out, lse=lse)
         return out, lse
 
-    kw = _cache_args(False, kv_cache, kv_block_size, indices)
-    if extra_kv_cache is not None:
-        kw.update(_cache_args(True, extra_kv_cache, extra_block_size, extra_indices))
-    _C.sparse_mla_attention_cpu(
-        q=ptr(q), q_dtype=dtype_code(q), num_tokens=T, num_heads=H,
-        q_stride_token=q.stride(0), q_stride_head=q.stride(1),
-        attn_sink=ptr(attn_sink), softmax_scale=softmax_scale,
-        out=ptr(out), out_stride_token=out.stride(0), out_stride_head=out.stride(1),
-        lse=ptr(lse), lse_stride_token=lse.stride(0), **kw,
-    )
+    _C.sparse_mla_attention_cpu(**_kernel_args(q, kv_cache, kv_block_size, indices, softmax_scale,
+                                               attn_sink, extra_kv_cache, extra_block_size,
+                                               extra_indices, out, lse))
     return out, lse
 
 
@@ -174,17 +167,11 @@ def _launch_cuda(q, kv_cache, kv_block_size, indices, softmax_scale, attn_sink, 
     num_splits, per_split, ws_floats = _C.sparse_mla_cuda_plan(T, H, total, _num_sms(q.device))
     workspace = (torch.empty(ws_floats, dtype=torch.float32, device=q.device)
                  if ws_floats else None)
-    kw = _cache_args(False, kv_cache, kv_block_size, indices)
-    if extra_kv_cache is not None:
-        kw.update(_cache_args(True, extra_kv_cache, extra_block_size, extra_indices))
     _C.sparse_mla_attention_cuda(
-        q=ptr(q), q_dtype=dtype_code(q), num_tokens=T, num_heads=H,
-        q_stride_token=q.stride(0), q_stride_head=q.stride(1),
-        attn_sink=ptr(attn_sink), softmax_scale=softmax_scale,
-        out=ptr(out), out_stride_token=out.stride(0), out_stride_head=out.stride(1),
-        lse=ptr(lse), lse_stride_token=lse.stride(0), num_splits=num_splits,
-        tiles_per_split=per_split, workspace=ptr(workspace), stream=stream_of(q.device), **kw,
-    )
+        **_kernel_args(q, kv_cache, kv_block_size, indices, softmax_scale, attn_sink,
+                       extra_kv_cache, extra_block_size, extra_indices, out, lse),
+        num_splits=num_splits, tiles_per_split=per_split, workspace=ptr(workspace),
+        stream=stream_of(q.device))
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -217,6 +204,19 @@ def _check_index_range(name: str, idx: torch.Tensor, num_slots: int) -> None:
         pos = tuple(int(i) for i in bad)
         raise ValueError(f"{OP}: {name} must hold -1 or slots in [0, {num_slots}) "
                          f"(num_blocks * block_size), got {int(idx[pos])} at {pos}")
+
+
+def _kernel_args(q, kv_cache, kv_block_size, indices, softmax_scale, attn_sink, extra_kv_cache,
+                 extra_block_size, extra_indices, out, lse) -> dict:
+    """The keyword arguments _C.sparse_mla_attention_cpu and _cuda share."""
+    kw = dict(q=ptr(q), q_dtype=dtype_code(q), num_tokens=q.shape[0], num_heads=q.shape[1],
+              q_stride_token=q.stride(0), q_stride_head=q.stride(1), attn_sink=ptr(attn_sink),
+              softmax_scale=softmax_scale, out=ptr(out), out_stride_token=out.stride(0),
+              out_stride_head=out.stride(1), lse=ptr(lse), lse_stride_token=lse.stride(0),
+              **_cache_args(False, kv_cache, kv_block_size, indices))
+    if extra_kv_cache is not None:
+        kw.update(_cache_args(True, extra_kv_cache, extra_block_size, extra_indices))
+    return kw
 
 
 def _cache_args(extra: bool, cache: torch.Tensor, block_size: int, idx: torch.Tensor) -> dict:
