@@ -311,7 +311,8 @@ def cuda_main(args, quick: bool) -> None:
                         "gemm": name, "act": act, "tokens": tokens,
                         "routing": "skewed" if skew else "uniform", "experts": EXPERTS,
                         "active": active, "rows": m, "N": n, "K": k,
-                        "tile": "large" if m / EXPERTS >= 96 else "small",
+                        "tile": ("large" if m // EXPERTS >= 96 else "tiny" if m // EXPERTS < 4
+                                 else "small"),
                         "weight_bytes": weight_bytes, "act_bytes": act_bytes,
                         "out_bytes": out_bytes,
                         **bench.roofline_row(seconds=t, bytes_moved=weight_bytes + act_bytes

@@ -24,7 +24,9 @@
 //
 // Tiles: a CTA computes BN weight rows x BM tokens of one expert over the whole K (no split-K, so
 // no cross-CTA reduction), with a kStages-deep cp.async pipeline of BK = 128 (weights, tokens and
-// the float8 scales of that k block). Two shapes, chosen on the host from the shapes only:
+// the float8 scales of that k block). Three shapes, chosen on the host from the shapes only:
+//   tiny:  4 warps x (16 rows x 8 tokens) = 64 x 8     (decode, < 4 rows per expert on average:
+//          88-92 registers and a small activation stage, so 5 CTAs / 20 warps per SM)
 //   small: 4 warps x (16 rows x 32 tokens) = 64 x 32   (decode; n8 steps past the expert's rows
 //          are skipped, so 1..8 tokens cost one mma per weight fragment)
 //   large: 8 warps as 4 (N) x 2 (M), warp tile 64 x 64 = 256 x 128 (prefill)
@@ -81,6 +83,12 @@ struct Cfg {
 
 template <bool F>
 using SmallCfg = Cfg<F, 4, 1, 1, 4, 5, 3>;
+// Tiny decode tile: 4 warps x (16 rows x 8 tokens) = 64 x 8. Same per-warp work as the small tile
+// for <= 8 rows per expert, but a 4x smaller activation stage and a 4-token-step smaller
+// accumulator, so 5 CTAs (20 warps) fit an SM instead of 3 (12): more weight bytes in flight and
+// more warps to hide the decode's dependency latency.
+template <bool F>
+using TinyCfg = Cfg<F, 4, 1, 1, 1, F ? 7 : 6, 5>;
 template <bool F>
 using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
 
@@ -436,6 +444,18 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       }
     }
 
+    // Activation chunks: thread tid copies 16-byte chunk a_cc of rows a_r0 + u * kRowStep; the
+    // row / column split is computed once per item (the small and tiny tiles; the register-bound
+    // prefill tile keeps the loop).
+    constexpr int kRowStep = C::threads / C::chunks_per_row;
+    static_assert(C::threads % C::chunks_per_row == 0, "a thread's chunks share one column");
+    constexpr int kAChunks = (C::bm + kRowStep - 1) / kRowStep;
+    constexpr bool kAPre = kAChunks <= 4;
+    static_assert(C::bm <= C::threads, "one float8 scale row per thread");
+    const int a_r0 = tid / C::chunks_per_row, a_cc = tid - a_r0 * C::chunks_per_row;
+    const int64_t a_off0 = (static_cast<int64_t>(a_r0) * k + a_cc * (16 / kEsize)) * kEsize;
+    const uint32_t a_dst0 = static_cast<uint32_t>(C::w_bytes + a_r0 * C::a_pitch + a_cc * 16);
+
     auto load_stage = [&](int slot_idx, int kt) {
       uint8_t* st = smem + slot_idx * C::stage_bytes;
       const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
@@ -453,19 +473,35 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
                        wk + static_cast<int64_t>(i) * kb_total * kBlk + off, true);
         }
       }
-      for (int c = tid; c < tile_rows * C::chunks_per_row; c += C::threads) {
-        const int r = c / C::chunks_per_row, cc = c - r * C::chunks_per_row;
-        const int kk = kt * kBK + cc * (16 / kEsize);
-        const bool valid = kk < k;
-        const void* src = valid ? static_cast<const void*>(
-                                      atile + (static_cast<int64_t>(r) * k + kk) * kEsize)
-                                : p.a;
-        cp_async16(smem_u32(st + C::w_bytes + r * C::a_pitch + cc * 16), src, valid);
+      if constexpr (kAPre) {
+        const uint32_t st_u32 = smem_u32(st);
+        const bool valid = kt * kBK + a_cc * (16 / kEsize) < k;
+        const uint8_t* src0 = atile + a_off0 + static_cast<int64_t>(kt) * (kBK * kEsize);
+#pragma unroll
+        for (int u = 0; u < kAChunks; ++u) {
+          if (a_r0 + u * kRowStep < tile_rows) {
+            const void* src =
+                valid ? static_cast<const void*>(
+                            src0 + static_cast<int64_t>(u) * kRowStep * k * kEsize)
+                      : p.a;
+            cp_async16(st_u32 + a_dst0 + u * kRowStep * C::a_pitch, src, valid);
+          }
+        }
+      } else {
+        for (int c = tid; c < tile_rows * C::chunks_per_row; c += C::threads) {
+          const int r = c / C::chunks_per_row, cc = c - r * C::chunks_per_row;
+          const int kk = kt * kBK + cc * (16 / kEsize);
+          const bool valid = kk < k;
+          const void* src = valid ? static_cast<const void*>(
+                                        atile + (static_cast<int64_t>(r) * k + kk) * kEsize)
+                                  : p.a;
+          cp_async16(smem_u32(st + C::w_bytes + r * C::a_pitch + cc * 16), src, valid);
+        }
       }
       if constexpr (C::fp8) {
-        for (int r = tid; r < tile_rows; r += C::threads)
-          cp_async4(smem_u32(st + C::w_bytes + C::a_bytes + r * 4),
-                    p.a_scale + static_cast<int64_t>(tile_row0 + r) * (k / kBK) + kt);
+        if (tid < tile_rows)
+          cp_async4(smem_u32(st + C::w_bytes + C::a_bytes + tid * 4),
+                    p.a_scale + static_cast<int64_t>(tile_row0 + tid) * (k / kBK) + kt);
       }
     };
 
@@ -482,16 +518,21 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       if (s < kt_total) load_stage(s, s);
       cp_async_commit();
     }
+    int rd_slot = 0, wr_slot = C::stages - 1;  // kt % stages, (kt + stages - 1) % stages
 #pragma unroll 1
     for (int kt = 0; kt < kt_total; ++kt) {
       cp_async_wait<C::stages - 2>();
       __syncthreads();
       const int nk = kt + C::stages - 1;
-      if (nk < kt_total) load_stage(nk % C::stages, nk);
+      if (nk < kt_total) load_stage(wr_slot, nk);
       cp_async_commit();
+      const uint8_t* st = smem + rd_slot * C::stage_bytes;
+      wr_slot = rd_slot;
+      rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
       if (warp_active) {
-        const uint8_t* st = smem + (kt % C::stages) * C::stage_bytes;
-        if constexpr (C::wt == 4) {  // decode tile: one variant per live token-step count
+        if constexpr (C::wt == 1) {  // tiny decode tile: one live token step
+          compute_stage<C, 1>(st, lane, warp_n, warp_m, nj, wide, acc);
+        } else if constexpr (C::wt == 4) {  // decode tile: one variant per live token-step count
           if (nj == 1)
             compute_stage<C, 1>(st, lane, warp_n, warp_m, nj, wide, acc);
           else if (nj == 2)
@@ -622,18 +663,30 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
   ZI_CHECK(masked ? (p.cap >= 0 && p.num_experts * p.cap < (int64_t{1} << 31))
                   : (p.m >= 0 && p.m < (int64_t{1} << 31)),
            "row count out of the CUDA kernel's int32 range");
-  ZI_CHECK(p.tile >= 0 && p.tile <= 2, "tile must be 0 (auto), 1 (small) or 2 (large)");
+  ZI_CHECK(p.tile >= 0 && p.tile <= 3,
+           "tile must be 0 (auto), 1 (small), 2 (large) or 3 (tiny)");
+  // From the shapes only (never from device values): the tiny tile while an active expert holds
+  // <= 8 rows on average (contiguous: m / E < 4 rows per expert, i.e. <= ~170 tokens of
+  // V4-Flash top-6 / 256; masked: cap <= 8), the large one from 96 rows per expert.
   const int64_t rows_per_expert = masked ? p.cap : p.m / p.num_experts;
-  const bool large = p.tile == 2 || (p.tile == 0 && rows_per_expert >= 96);
+  int tile = p.tile;
+  if (tile == 0) {
+    const bool tiny = masked ? p.cap <= 8 : rows_per_expert < 4;
+    tile = rows_per_expert >= 96 ? 2 : tiny ? 3 : 1;
+  }
   auto s = static_cast<cudaStream_t>(stream);
   if (p.a_dtype == DType::kFloat8E4M3) {
-    if (large)
+    if (tile == 2)
       launch<LargeCfg<true>>(p, s);
+    else if (tile == 3)
+      launch<TinyCfg<true>>(p, s);
     else
       launch<SmallCfg<true>>(p, s);
   } else {
-    if (large)
+    if (tile == 2)
       launch<LargeCfg<false>>(p, s);
+    else if (tile == 3)
+      launch<TinyCfg<false>>(p, s);
     else
       launch<SmallCfg<false>>(p, s);
   }

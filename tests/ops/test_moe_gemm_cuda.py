@@ -8,7 +8,7 @@ activation fragment the kernel loads. Agreement with the dequantized checkpoint 
 the decode and the k permutation agree with each other (only the hardware itself is left).
 
 GPU part (`gpu` marker): every path against the float64 reference on fresh random inputs, with
-poisoned outputs (owned rows all written, others untouched), both tile shapes (which must agree
+poisoned outputs (owned rows all written, others untouched), every tile shape (which must agree
 bitwise), batch invariance, determinism and no host synchronisation.
 """
 
@@ -303,7 +303,8 @@ DEV = torch.device("cuda")
 
 @pytest.fixture
 def tile(request):
-    """Run the kernel with a forced tile shape (1 small-M, 2 large-M), restoring auto after."""
+    """Run the kernel with a forced tile shape (1 small-M, 2 large-M, 3 tiny-M), restoring auto
+    after."""
     old = mg._FORCE_TILE
     yield lambda v: setattr(mg, "_FORCE_TILE", v)
     mg._FORCE_TILE = old
@@ -387,7 +388,7 @@ def check_vs_ref(got, c, out_dtype, what):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_shape", [1, 2])
+@pytest.mark.parametrize("tile_shape", [1, 2, 3])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mode", ["plain", "swiglu", "swiglu_limit"])
 @pytest.mark.parametrize("masked", [False, True])
@@ -407,7 +408,7 @@ def test_cuda_shapes(gen, tile, dtype, N, K, fuse):
     """Odd N (padding rows / halves not a multiple of 8), K not a multiple of the 128 stage."""
     if dtype == FP8 and K % 128:
         K = 128 * (K // 128 + 1)
-    for t in (1, 2):
+    for t in (1, 2, 3):
         tile(t)
         c = make_case(gen, E=4, N=N, K=K, dtype=dtype, masked=False,
                       mode="swiglu_limit" if fuse else "plain")
@@ -430,7 +431,7 @@ def test_cuda_routing(gen, tile, dtype, masked, routing):
         counts = rand_counts(gen, E, 50, empty=5)
     elif routing == "many":
         counts = [int(v) for v in torch.randint(100, 200, (E,), generator=gen)]
-    for t in (1, 2):
+    for t in (1, 2, 3):
         tile(t)
         c = make_case(gen, E=E, N=128, K=256, dtype=dtype, masked=masked, counts=counts,
                       cap=max(counts + [1]) + 3, mode="swiglu")
@@ -447,11 +448,12 @@ def test_cuda_tiles_and_batches_bitwise_equal(gen, tile, dtype):
     c = make_case(gen, E=E, N=N, K=K, dtype=dtype, masked=False, counts=[37, 0, 5, 130, 1],
                   pad_max=0, mode="swiglu_limit")
     outs = []
-    for t in (1, 2, 1):
+    for t in (1, 2, 3, 1):
         tile(t)
         outs.append(run_cuda(c, out_dtype=torch.float32, check=False))
     assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), "tile 1 vs tile 2"
-    assert torch.equal(outs[0].view(torch.int32), outs[2].view(torch.int32)), "not deterministic"
+    assert torch.equal(outs[0].view(torch.int32), outs[2].view(torch.int32)), "tile 1 vs tile 3"
+    assert torch.equal(outs[0].view(torch.int32), outs[3].view(torch.int32)), "not deterministic"
     # expert 3's rows alone (everything else empty), at a different row offset
     off = c["layout"]["expert_offsets"]
     lo, hi = int(off[3]), int(off[4])

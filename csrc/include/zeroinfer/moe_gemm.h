@@ -104,7 +104,8 @@ struct Mxfp4CudaGemmParams {
   bool has_swiglu_limit = false;
   float swiglu_limit = 0.f;
   // 0: choose the tile from the shapes (never from device values); 1: small-M tile (64 weight rows
-  // x 32 tokens, decode); 2: large-M tile (256 x 128). Every tile gives bitwise the same result.
+  // x 32 tokens, decode); 2: large-M tile (256 x 128); 3: tiny-M tile (64 x 8, decode with <= 8
+  // rows per expert: 5 CTAs per SM). Every tile gives bitwise the same result.
   int tile = 0;
 };
 

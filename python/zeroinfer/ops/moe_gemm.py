@@ -30,8 +30,9 @@ def _name(d: torch.dtype) -> str:
 
 
 _INT32_LIMIT = 2**31
-# Tile shape of the CUDA kernel: 0 = chosen from the shapes, 1 = small-M, 2 = large-M. Tests set
-# it to run both shapes on the same inputs (every shape gives bitwise the same result).
+# Tile shape of the CUDA kernel: 0 = chosen from the shapes, 1 = small-M, 2 = large-M, 3 = tiny-M
+# (decode, <= 8 rows per expert per tile). Tests set it to run every shape on the same inputs
+# (every shape gives bitwise the same result).
 _FORCE_TILE = 0
 
 
