@@ -3,15 +3,18 @@
 // LSE. Decode and prefill are the same kernel: every query token has its own list, so the work
 // item is (token, group of heads, split of the list).
 //
-// One CTA = 8 or 16 warps over 16*R query heads of one token (R = 1, 2 or 4 row groups of 16 heads) over
-// tiles of kTileN = 64 list entries. The 64 KV rows of a tile are gathered by cp.async (FP8: into
-// a raw staging ring, then dequantised ONCE per CTA into a bf16 tile shared by all its heads;
-// bf16: straight into a double-buffered tile). Warps are arranged R x C (C = warps / R):
+// One CTA covers 16*R query heads of one token (R = 1, 2 or 4 row groups of 16 heads; more heads
+// take more CTAs) over tiles of kTileN = 64 list entries. The 64 KV rows of a tile are gathered
+// by cp.async (FP8: into a raw staging ring, then dequantised ONCE per CTA into a bf16 tile
+// shared by all its heads; bf16: straight into a double-buffered tile). Warps are arranged R x C:
 //   S = Q K^T   warp (rg, cg) computes heads rg*16.. over entries cg*(64/C).. (all 512 dims),
 //   softmax     row maxima exchanged through shared memory within the row group,
 //   O += P V    P goes through shared memory; warp (rg, cg) owns output dims cg*(512/C)..
-// so one warp's fp32 accumulator is 16 x 512/C (<= 128 registers a thread). Tensor cores via
-// mma.sync m16n8k16 bf16 with ldmatrix from XOR-swizzled shared memory (conflict-free).
+// so one warp's fp32 accumulator is 16 x 512/C. R = 1 (8 warps) and R = 2 (16 warps) use
+// mma.sync m16n8k16 with ldmatrix; R = 4 (8 warps = two warpgroups, C = 2) uses wgmma: each
+// warpgroup computes S for half of the entries and O for half of the dims, operands read by
+// the tensor cores straight from the 128-byte-swizzled tiles (wgmma.cuh). Where the time goes on
+// the H200, and what was tried: bench/results/h200/sparse_mla_NOTES.md.
 //
 // Split-KV: with few (token, head-group) items the list is cut into `num_splits` pieces; each
 // writes an unnormalised fp32 partial (O, max, sum) to the workspace and a combine kernel merges
