@@ -18,25 +18,21 @@ import math
 
 import pytest
 import torch
-from test_moe_gemm import (assert_matches_ref, clamp_inputs, make_contiguous, poisoned,
-                           rand_act, rand_counts)
+from test_moe_gemm import E8M0, FP8, assert_matches_ref, clamp_inputs, make_contiguous, poisoned
+from test_moe_gemm import rand_act, rand_counts
+from test_moe_gemm import rand_weights as narrow_weights
 
 import zeroinfer.ops.moe_gemm as mg
 from zeroinfer import _C
 from zeroinfer.ops import Mxfp4PackedWeights, mxfp4_grouped_gemm, mxfp4_prepack, mxfp4_unpack
 from zeroinfer.reference.moe_gemm import dequantize_expert_f64, mxfp4_grouped_gemm_ref
 
-FP8 = torch.float8_e4m3fn
-E8M0 = getattr(torch, "float8_e8m0fnu", None)
-
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def rand_weights(gen, E, N, K, lo=110, hi=140):
     """Every nibble value; scales spread over 2^-17 .. 2^13 (wide scales included)."""
-    w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
-    s = torch.randint(lo, hi + 1, (E, N, K // 32), dtype=torch.uint8, generator=gen)
-    return w, s
+    return narrow_weights(gen, E, N, K, lo, hi)
 
 
 # =========================================================================== CPU: the repack
