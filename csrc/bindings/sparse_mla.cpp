@@ -101,12 +101,13 @@ void register_sparse_mla(py::module_& m) {
 #ifdef ZEROINFER_WITH_CUDA
   def(m,
       "sparse_mla_cuda_plan",
-      [](int64_t num_tokens, int64_t num_heads, int64_t total_topk, int64_t num_sms) {
+      [](int64_t num_tokens, int64_t num_heads, int64_t total_topk, int64_t num_sms, bool fp8) {
         const SparseMlaCudaPlan plan =
-            sparse_mla_cuda_plan(num_tokens, num_heads, total_topk, num_sms);
+            sparse_mla_cuda_plan(num_tokens, num_heads, total_topk, num_sms, fp8);
         return py::make_tuple(plan.num_splits, plan.tiles_per_split, plan.workspace_floats);
       },
       py::arg("num_tokens"), py::arg("num_heads"), py::arg("total_topk"), py::arg("num_sms"),
+      py::arg("fp8") = false,
       "(num_splits, tiles_per_split, workspace_floats) of the CUDA sparse MLA kernel");
   def(m,
       "sparse_mla_attention_cuda",

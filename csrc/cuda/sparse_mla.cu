@@ -44,7 +44,6 @@ constexpr int kTileN = 64;                       // list entries per tile
 constexpr int warps_for(int R) { return R == 2 ? 16 : 8; }
 constexpr int kRowBytes = kDim * 2;              // one bf16 row in shared memory (64 chunks)
 constexpr int kFp8Row = 576;                     // 448 e4m3 + 64 bf16
-constexpr int kStageBytes = kTileN * kFp8Row + kTileN * 8;  // raw FP8 tile + its scales
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -64,10 +63,6 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 8 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
@@ -118,8 +113,9 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// 4 e4m3 bytes (little-endian in `x`) times 2^k -> 2 packed bf16 pairs. e4m3 -> f16 is exact, so
-// is the power-of-two scale and the rounding to bf16 (3 mantissa bits fit in 7).
+// 4 e4m3 bytes (little-endian in `x`) times 2^k -> 2 packed bf16 pairs, through f16 and fp32:
+// exact for every scale (e4m3 -> f16 is exact, so is the power-of-two scale and the rounding to
+// bf16: 3 mantissa bits fit in 7). The slow path of dequant16 below.
 __device__ __forceinline__ void dequant4(uint32_t x, float scale, uint32_t& lo, uint32_t& hi) {
   __half2_raw h0 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xffffu),
                                               __NV_E4M3);
@@ -135,12 +131,50 @@ __device__ __forceinline__ float ue8m0(uint32_t b) {
   return b ? __uint_as_float(b << 23) : __uint_as_float(0x00400000u);  // 2^(b-127)
 }
 
+// Two e4m3 values, as bytes 1 and 3 of `a` (the other bytes zero), -> the bf16 pair with the same
+// bits moved down by 4: sign in place, exponent and mantissa in the bf16 fields. Its value is the
+// e4m3 value times 2^-120 exactly (e4m3 subnormals land on bf16 subnormals).
+__device__ __forceinline__ uint32_t e4m3x2_as_bf16x2_shifted(uint32_t a) {
+  return (a & 0x80008000u) | ((a & 0x7F007F00u) >> 4);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(x), "r"(y));
+  return d;
+}
+
+// 16 e4m3 values times 2^(b-127) (UE8M0 byte b) -> 16 bf16 in two 16-byte chunks. Fast path
+// (b <= 134, i.e. scales up to 2^7; a real cache's scales are far below): bit moves plus one
+// bf16x2 multiply by 2^(b-7) = 2^120 * 2^(b-127) per pair, ~2.5 instructions a value, exact
+// because a product with a power of two is. Larger scales take the f16/fp32 route.
+__device__ __forceinline__ void dequant16(const uint4& x, uint32_t b, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  uint32_t o[8];
+  if (b <= 134u) {
+    const uint32_t m = (b + 120u) << 7;  // bf16 bits of 2^(b-7)
+    const uint32_t m2 = m | (m << 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[2 * i] = bf16x2_mul(e4m3x2_as_bf16x2_shifted(__byte_perm(w[i], 0, 0x1404)), m2);
+      o[2 * i + 1] = bf16x2_mul(e4m3x2_as_bf16x2_shifted(__byte_perm(w[i], 0, 0x3424)), m2);
+    }
+  } else {
+    const float sc = ue8m0(b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dequant4(w[i], sc, o[2 * i], o[2 * i + 1]);
+  }
+  lo = make_uint4(o[0], o[1], o[2], o[3]);
+  hi = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
 struct CacheView {
   const uint8_t* data;
   const int32_t* indices;  // row t at indices + t * stride
   int64_t stride;
   int64_t block_stride;    // bytes
   uint32_t block_size;
+  int32_t block_shift;     // log2(block_size) when a power of two (V4's pages are), else -1
   int32_t topk;
 };
 
@@ -200,7 +234,8 @@ __device__ __forceinline__ RowRef resolve(const KernelArgs& a, int32_t slot, int
   RowRef r{nullptr, nullptr};
   if (slot < 0) return r;
   const CacheView& c = which ? a.extra : a.kv;
-  const uint32_t blk = static_cast<uint32_t>(slot) / c.block_size;
+  const uint32_t blk = c.block_shift >= 0 ? static_cast<uint32_t>(slot) >> c.block_shift
+                                          : static_cast<uint32_t>(slot) / c.block_size;
   const uint32_t off = static_cast<uint32_t>(slot) - blk * c.block_size;
   const uint8_t* base = c.data + static_cast<int64_t>(blk) * c.block_stride;
   if constexpr (kFp8) {
@@ -212,51 +247,93 @@ __device__ __forceinline__ RowRef resolve(const KernelArgs& a, int32_t slot, int
   return r;
 }
 
-// Issue the cp.asyncs of one tile from the published RowRefs: FP8 -> raw staging buffer, bf16 ->
-// swizzled tile. Skipped entries are zero-filled (src-size 0 reads nothing; `dummy` is any valid
-// address, since an empty cache's data pointer may be null).
-// kN entries a tile, copied by kThreads threads of which this is number `tid`.
-template <bool kFp8, int kThreads, int kN = kTileN>
-__device__ __forceinline__ void load_tile(const RowRef* refs, const void* dummy, uint8_t* dst,
-                                          int tid) {
-  constexpr int kChunks = kFp8 ? 37 : 64;  // FP8: 36 x 16 B row + one 8 B scale chunk
+// Issue the cp.asyncs of one bf16 tile from the published RowRefs into the swizzled tile.
+// Skipped entries are zero-filled (src-size 0 reads nothing; `dummy` is any valid address, since
+// an empty cache's data pointer may be null). Thread `tid` of kThreads.
+template <int kThreads>
+__device__ __forceinline__ void load_tile_bf16(const RowRef* refs, const void* dummy, uint8_t* dst,
+                                               int tid) {
 #pragma unroll 4
-  for (int j = 0; j < (kN * kChunks + kThreads - 1) / kThreads; ++j) {
+  for (int j = 0; j < kTileN * 64 / kThreads; ++j) {
     const int i = tid + j * kThreads;
-    if (i >= kN * kChunks) break;
-    const int e = i / kChunks, c = i - e * kChunks;
+    const int e = i >> 6, c = i & 63;
     const RowRef r = refs[e];
     const bool valid = r.row != nullptr;
-    if constexpr (kFp8) {
-      if (c < 36) {
-        cp_async16(smem_u32(dst + e * kFp8Row + c * 16), valid ? r.row + c * 16 : dummy, valid);
-      } else {
-        cp_async8(smem_u32(dst + kN * kFp8Row + e * 8), valid ? r.scale : dummy, valid);
-      }
-    } else {
-      cp_async16(smem_u32(dst) + swz<kN>(e, c), valid ? r.row + c * 16 : dummy, valid);
-    }
+    cp_async16(smem_u32(dst) + swz<kTileN>(e, c), valid ? r.row + c * 16 : dummy, valid);
   }
 }
 
-// Raw FP8 staging tile -> swizzled bf16 tile (zero-filled rows stay zero).
-template <int kThreads, int kN = kTileN>
-__device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint8_t* tile, int tid) {
-  const uint8_t* scales = stage + kN * kFp8Row;
+__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// One list entry's FP8 row, held in the registers of the kP threads that own the entry from the
+// moment its loads are issued (one tile ahead, so their latency hides behind a tile of math)
+// until it is dequantised into the bf16 tile. Thread q of the entry holds 16-byte chunks
+// c = q, q + kP, ... of the 576-byte row (0..27: e4m3 dims 16c.., 28..35: the bf16 RoPE dims)
+// and all 8 scale bytes.
+template <int kP>
+struct Fp8Rows {
+  static constexpr int kChunks = (36 + kP - 1) / kP;
+  uint4 v[kChunks];
+  uint2 scales;
+  bool valid;
+};
+
+template <int kP>
+__device__ __forceinline__ void load_fp8_row(Fp8Rows<kP>& r, const RowRef& ref, int q) {
+  r.valid = ref.row != nullptr;
 #pragma unroll
-  for (int j = 0; j < kN * 64 / kThreads; ++j) {
-    const int i = tid + j * kThreads;
-    const int e = i >> 6, c = i & 63;
-    uint4 v;
-    if (c < 56) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(stage + e * kFp8Row + c * 8);
-      const float s = ue8m0(scales[e * 8 + (c >> 3)]);
-      dequant4(raw.x, s, v.x, v.y);
-      dequant4(raw.y, s, v.z, v.w);
+  for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) r.v[k] = make_uint4(0, 0, 0, 0);
+  r.scales = make_uint2(0, 0);
+  if (!r.valid) return;  // zero rows: a skipped entry contributes exactly nothing
+#pragma unroll
+  for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) {
+    const int c = q + kP * k;
+    if (c < 36) r.v[k] = ldg_stream16(ref.row + c * 16);
+  }
+  r.scales = *reinterpret_cast<const uint2*>(ref.scale);
+}
+
+// Pull an entry's FP8 row and scales into L2 ahead of the register loads: thread q of kP touches
+// every 128-byte line of its share of the 576-byte row (q == 0 also the scale line). With rows
+// in registers for only one tile ahead, this keeps enough bytes in flight to cover HBM latency.
+// (Per-line prefetch.global: the bulk prefetch takes uniform operands, which a per-thread
+// address turns into a 32-way serialised loop.)
+template <int kP>
+__device__ __forceinline__ void prefetch_fp8_row(const RowRef& ref, int q) {
+  if (ref.row == nullptr) return;
+  constexpr int kPart = (kFp8Row + kP - 1) / kP;  // bytes per thread (< 256: at most 3 lines)
+  const int begin = q * kPart;
+  const int last = min(begin + kPart, kFp8Row) - 1;
+  if (begin <= last) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.row + begin));
+    if (begin + 128 <= last) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.row + begin + 128));
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.row + last));
+  }
+  if (q == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.scale));
+}
+
+// Dequantise the held row of entry `e` into the swizzled bf16 tile.
+template <int kP>
+__device__ __forceinline__ void store_fp8_row(const Fp8Rows<kP>& r, uint8_t* tile, int e, int q) {
+  const uint64_t sc = (static_cast<uint64_t>(r.scales.y) << 32) | r.scales.x;
+#pragma unroll
+  for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) {
+    const int c = q + kP * k;
+    if (c >= 36) continue;
+    if (c < 28) {
+      uint4 lo, hi;
+      dequant16(r.v[k], static_cast<uint32_t>(sc >> (8 * (c >> 2))) & 0xffu, lo, hi);
+      *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 2 * c + 1)) = hi;
     } else {
-      v = *reinterpret_cast<const uint4*>(stage + e * kFp8Row + 448 + (c - 56) * 16);
+      *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 56 + (c - 28))) = r.v[k];
     }
-    *reinterpret_cast<uint4*>(tile + swz<kN>(e, c)) = v;
   }
 }
 
@@ -301,13 +378,21 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
       mx[r] = m;
     }
   }
+  // Lazy rescaling: the running max moves only when a tile's max exceeds it by more than
+  // kRescaleSlack (base 2), so P <= 2^kRescaleSlack (bf16 holds it with full relative precision,
+  // the sums are fp32). O and l always refer to the same max, so the result is unchanged, and
+  // after the first tiles almost no tile pays for the 2 x OT x 2 multiplies of the O rescale.
+  constexpr float kRescaleSlack = 8.f;
   float m_new[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    m_new[r] = fmaxf(m_run[r], mx[r]);
-    alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2f(m_run[r] - m_new[r]);
-    m_run[r] = m_new[r];
-    l_run[r] *= alpha[r];
+    alpha[r] = 1.f;
+    if (mx[r] > m_run[r] + kRescaleSlack) {  // false while both are -inf
+      alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2f(m_run[r] - mx[r]);
+      m_run[r] = mx[r];
+      l_run[r] *= alpha[r];
+    }
+    m_new[r] = m_run[r];
   }
 
   // ---- P = exp2(s - m) -> shared memory (bf16); rescale O ---------------------------------
@@ -333,40 +418,42 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
 
 // 1 / (sum + exp(sink)) for a row with running max m (base 2) and sum l, or 0 when no key was
 // valid (l == 0): the output's normalisation, shared by the one-split store and the combine.
-__device__ __forceinline__ float output_scale(float l, float m, const float* sink, int h) {
+// sink_logit is -inf without a sink.
+__device__ __forceinline__ float output_scale(float l, float m, float sink_logit) {
   if (!(l > 0.f)) return 0.f;
-  float denom = l;
-  if (sink != nullptr) denom += exp2f(sink[h] * kLog2e - m);
-  return 1.f / denom;
+  return 1.f / (l + exp2f(sink_logit * kLog2e - m));
 }
 
-// Barrier over the threads that compute (all of the CTA, or the kConsumers threads of a
-// warp-specialised CTA, named barrier 5).
-template <int kConsumers>
-__device__ __forceinline__ void consumer_sync() {
-  if constexpr (kConsumers == 0) {
-    __syncthreads();
-  } else {
-    asm volatile("bar.sync 5, %0;\n" ::"n"(kConsumers) : "memory");
-  }
+__device__ __forceinline__ float sink_logit(const KernelArgs& a, int h) {
+  return a.sink != nullptr && h < a.num_heads ? a.sink[h] : -INFINITY;
+}
+
+// The sink logits of this thread's two output rows, loaded when a work item starts so that the
+// epilogue does not wait for them.
+__device__ __forceinline__ void load_sinks(const KernelArgs& a, int head0, int rg, int g,
+                                           float (&sinks)[2]) {
+  sinks[0] = sink_logit(a, head0 + rg * 16 + g);
+  sinks[1] = sink_logit(a, head0 + rg * 16 + g + 8);
 }
 
 // The end of a work item: the row sums are combined over the C warps of each row group, then
-// the normalised output and LSE are written (one split), or the unnormalised partial O with its
-// max and sum (several splits, merged by sparse_mla_combine_kernel).
-template <int OT, int C, int kConsumers>
+// the normalised bf16 output goes through shared memory (`stage`: the Q tile, no longer read) so
+// that it leaves in coalesced 16-byte stores, with the LSE; or, with several splits, the
+// unnormalised partial O with its max and sum (merged by sparse_mla_combine_kernel).
+template <int kHeads, int OT, int C>
 __device__ __forceinline__ void store_outputs(float (&acc)[OT][4], float (&m_run)[2],
-                                              float (&l_run)[2], float* sRed, int rg, int cg,
-                                              int g, int q4, const KernelArgs& a, int64_t t,
-                                              int head0, int split) {
-  // ---- epilogue: row sums over the row group, then normalise or write partials -------------
+                                              float (&l_run)[2], float* sRed, uint8_t* stage,
+                                              int rg, int cg, int g, int q4, const KernelArgs& a,
+                                              int64_t t, int head0, int split,
+                                              const float (&sinks)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
   }
+  // Every warp is past its last use of sRed and of the Q tile.
+  __syncthreads();
   if constexpr (C > 1) {
-    consumer_sync<kConsumers>();  // every warp is past its last use of sRed
     if (q4 == 0) {
       sRed[(rg * 16 + g) * C + cg] = l_run[0];
       sRed[(rg * 16 + g + 8) * C + cg] = l_run[1];
@@ -383,20 +470,19 @@ __device__ __forceinline__ void store_outputs(float (&acc)[OT][4], float (&m_run
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int h = head0 + rg * 16 + g + 8 * r;
-    if (h >= a.num_heads) continue;
+    const int row = rg * 16 + g + 8 * r, h = head0 + row;
     const float l = l_run[r], m = m_run[r];
     if (a.num_splits == 1) {
-      const float inv = output_scale(l, m, a.sink, h);
-      __nv_bfloat16* o = a.out + t * a.out_stride_token + static_cast<int64_t>(h) * a.out_stride_head;
+      const float inv = output_scale(l, m, sinks[r]);
 #pragma unroll
       for (int j = 0; j < OT; ++j) {
         const int d = cg * (kDim / C) + j * 8 + q4 * 2;
-        *reinterpret_cast<uint32_t*>(o + d) = pack_bf16(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
+        *reinterpret_cast<uint32_t*>(stage + swz<kHeads>(row, d >> 3) + (d & 7) * 2) =
+            pack_bf16(acc[j][2 * r] * inv, acc[j][2 * r + 1] * inv);
       }
-      if (cg == 0 && q4 == 0)
+      if (cg == 0 && q4 == 0 && h < a.num_heads)
         a.lse[t * a.lse_stride_token + h] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
-    } else {
+    } else if (h < a.num_heads) {
       const int64_t item = (static_cast<int64_t>(split) * a.num_tokens + t) * a.num_heads + h;
       float* o = a.part_o + item * kDim;
 #pragma unroll
@@ -410,56 +496,267 @@ __device__ __forceinline__ void store_outputs(float (&acc)[OT][4], float (&m_run
       }
     }
   }
+  if (a.num_splits == 1) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kHeads * 64; i += blockDim.x) {
+      const int row = i >> 6, c = i & 63, h = head0 + row;
+      if (h < a.num_heads)
+        *reinterpret_cast<uint4*>(a.out + t * a.out_stride_token +
+                                  static_cast<int64_t>(h) * a.out_stride_head + c * 8) =
+            *reinterpret_cast<const uint4*>(stage + swz<kHeads>(row, c));
+    }
+  }
 }
+
+// Warp layout of a CTA of 16 R heads (see the header comment).
+template <int R>
+struct Geom {
+  static constexpr int kHeads = 16 * R;
+  static constexpr int kThreads = warps_for(R) * 32;
+  static constexpr int C = warps_for(R) / R;
+  static constexpr bool kWgmma = R == 4;
+  static constexpr int kEntriesPerWarp = kTileN / C;  // S columns of one warp: 8, 16 or 32
+  static constexpr int NT = kEntriesPerWarp / 8;      // n8 tiles of S per warp
+  static constexpr int kDimsPerWarp = kDim / C;       // O columns of one warp
+  static constexpr int OT = kDimsPerWarp / 8;         // n8 tiles of O per warp
+};
 
 template <int R, bool kFp8>
 struct Smem {
   static constexpr int kHeads = 16 * R;
-  static constexpr int kThreads = warps_for(R) * 32;
-  static constexpr int kC = warps_for(R) / R;
-  // Pipeline depth: FP8 stages raw tiles (one bf16 tile); bf16 double-buffers the tile itself.
-  static constexpr int kStages = kFp8 ? (R == 4 ? 2 : 3) : 2;
-  static constexpr int kTiles = kFp8 ? 1 : 2;
+  static constexpr int kC = Geom<R>::C;
+  // bf16 tiles: cp.async double buffer. FP8: rows wait in registers; dequantised into the other
+  // of two tiles while the current one is used, except for 16 heads, where one tile (82 KB)
+  // lets two CTAs share an SM.
+  static constexpr int kTiles = (kFp8 && R == 1) ? 1 : 2;
+  static constexpr int kCtasPerSm = (kFp8 && R == 1) ? 2 : 1;
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kHeads * kRowBytes;
-  static constexpr int kStage = kK + kTiles * kTileN * kRowBytes;
-  static constexpr int kP = kStage + (kFp8 ? kStages * kStageBytes : 0);
+  static constexpr int kP = kK + kTiles * kTileN * kRowBytes;
   static constexpr int kRed = kP + kHeads * kTileN * 2;        // [2][R][16][C] floats
-  static constexpr int kRefs = kRed + 2 * R * 16 * kC * 4;     // [64] RowRef
-  static constexpr int kValid = kRefs + kTileN * 16;           // [kStages][64] int
-  static constexpr int kBytes = kValid + kStages * kTileN * 4;
+  static constexpr int kRefs = kRed + 2 * R * 16 * kC * 4;     // [64] RowRef (bf16)
+  static constexpr int kValid = kRefs + kTileN * 16;           // [2][64] int
+  static constexpr int kBytes = kValid + 2 * kTileN * 4;
   static constexpr int kAlloc = kBytes + 1024;  // slack to align the base to 1024 bytes
-  static_assert(R != 4 || (kK % 1024 == 0 && kStage % 1024 == 0 && kP % 1024 == 0),
+  static_assert(R != 4 || (kK % 1024 == 0 && kP % 1024 == 0),
                 "wgmma operands must start on 1024-byte boundaries");
 };
 
-template <int R, bool kFp8>
-__global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
-    sparse_mla_kernel(const KernelArgs a) {
-  using S = Smem<R, kFp8>;
-  constexpr int C = S::kC;
-  constexpr int kThreads = S::kThreads;
-  constexpr int kEntriesPerWarp = kTileN / C;   // S columns of one warp: 8, 16 or 32
-  constexpr int NT = kEntriesPerWarp / 8;       // n8 tiles of S per warp
-  constexpr int kDimsPerWarp = kDim / C;        // O columns of one warp
-  constexpr int OT = kDimsPerWarp / 8;          // n8 tiles of O per warp
+// Keeps the compiler from moving reads or writes of wgmma accumulators across the asm statements
+// that issue and wait for them (the registers are written asynchronously in between).
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// S = Q K^T for this warp's entries of the tile at k_base (all 512 dims); complete on return.
+template <int R>
+__device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_base,
+                                       uint32_t k_base, int rg, int cg, int lane) {
+  using G = Geom<R>;
+  constexpr int NT = G::NT;
+  const int n0 = cg * G::kEntriesPerWarp;
+  if constexpr (G::kWgmma) {
+    // Warpgroup cg: S[64 heads, 32 entries] over 32 k-steps; Q and K both K-major.
+    float(&sd)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s[0][0]);
+    // Descriptors advance by constants (start address in 16-byte units, low 14 bits).
+    const uint64_t dq = wgmma::desc_sw128(q_base, 16, 1024);
+    const uint64_t dk = wgmma::desc_sw128(k_base + n0 * 128, 16, 1024);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kDim / 16; ++kk) {
+      const uint32_t qoff = (kk >> 2) * (G::kHeads * 128) + (kk & 3) * 32;
+      const uint32_t koff = (kk >> 2) * (kTileN * 128) + (kk & 3) * 32;
+      wgmma::wgmma_m64n32k16_bf16(sd, dq + (qoff >> 4), dk + (koff >> 4), kk > 0);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    fence_operands(sd);
+  } else {
+    // kAcc independent accumulator sets over k break the mma dependency chain when a warp has
+    // few n8 tiles (one chain per tile otherwise).
+    constexpr int kAcc = NT >= 4 ? 1 : 4 / NT;
+    float sa[kAcc][NT][4];
+#pragma unroll
+    for (int u = 0; u < kAcc; ++u)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) sa[u][j][0] = sa[u][j][1] = sa[u][j][2] = sa[u][j][3] = 0.f;
+    // A thread's ldmatrix row is fixed and its chunk is 2 kk + hi, so the swizzled chunk
+    // (2 kk + hi) ^ (row % 8) takes four values (kk % 4) and the 64-column panel moves by a
+    // constant every four k-steps: four base addresses plus immediates, no per-step math.
+    const int qrow = rg * 16 + (lane & 15), qhi = lane >> 4;
+    const int krow = n0 + (lane & 7) + (NT == 1 ? 0 : ((lane >> 4) << 3)), khi = (lane >> 3) & 1;
+    uint32_t qa[4], ka[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      qa[j] = q_base + qrow * 128 + ((((2 * j) | qhi) ^ (qrow & 7)) << 4);
+      ka[j] = k_base + krow * 128 + ((((2 * j) | khi) ^ (krow & 7)) << 4);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kDim / 16; ++kk) {
+      const int u = kk % kAcc;
+      uint32_t a0, a1, a2, a3;
+      ldsm_x4(qa[kk & 3] + (kk >> 2) * (G::kHeads * 128), a0, a1, a2, a3);
+      const uint32_t kaddr = ka[kk & 3] + (kk >> 2) * (kTileN * 128);
+      if constexpr (NT == 1) {
+        uint32_t b0, b1;
+        ldsm_x2(kaddr, b0, b1);
+        mma_bf16(sa[u][0], a0, a1, a2, a3, b0, b1);
+      } else {
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(kaddr + j * 8 * 128, b0, b1, b2, b3);
+          mma_bf16(sa[u][j], a0, a1, a2, a3, b0, b1);
+          mma_bf16(sa[u][j + 1], a0, a1, a2, a3, b2, b3);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        float v = sa[0][j][x];
+#pragma unroll
+        for (int u = 1; u < kAcc; ++u) v += sa[u][j][x];
+        s[j][x] = v;
+      }
+  }
+}
+
+// O += P V over this warp's output dims (P in shared memory, V = the tile at k_base). wgmma:
+// issued asynchronously, finished by pv_wait; mma.sync: complete on return.
+template <int R>
+__device__ __forceinline__ void pv_issue(float (&acc)[Geom<R>::OT][4], uint32_t p_base,
+                                         uint32_t k_base, int rg, int cg, int lane) {
+  using G = Geom<R>;
+  constexpr int OT = G::OT;
+  if constexpr (G::kWgmma) {
+    // Warpgroup cg: O[64 heads, dims 256 cg ..+256] in two N=128 halves; P K-major, V N-major
+    // (the K tile read with dims contiguous: 64-dim panels 8 KB apart, 8-entry groups 1 KB).
+    const uint64_t dp = wgmma::desc_sw128(p_base, 16, 1024);
+    const uint64_t dv = wgmma::desc_sw128(k_base + cg * 4 * (kTileN * 128), kTileN * 128, 1024);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < kTileN / 16; ++ks) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float(&od)[64] = reinterpret_cast<float(&)[64]>(acc[half * 16][0]);
+        const uint32_t voff = half * 2 * (kTileN * 128) + ks * 16 * 128;
+        wgmma::wgmma_m64n128k16_bf16_tb(od, dp + ((ks * 32) >> 4), dv + (voff >> 4), true);
+      }
+    }
+    wgmma::commit();
+  } else {
+    static_assert(G::kDimsPerWarp % 64 == 0, "a warp's dims start on a 64-dim panel");
+    // Fixed rows and chunk parities again (see scores): P row rg*16 + lane % 16, chunk
+    // 2 ks + hi; V row ks*16 + r0 (r0 % 8 = lane % 8), chunk d0 + j + hi with d0 % 8 == 0.
+    const int prow = rg * 16 + (lane & 15), hi = lane >> 4;
+    const int r0 = (lane & 7) + (((lane >> 3) & 1) << 3);
+    const uint32_t v_base = k_base + (cg * G::kDimsPerWarp / 64) * (kTileN * 128) + r0 * 128;
+    uint32_t pa[4], va[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      pa[m] = p_base + prow * 128 + ((((2 * m) | hi) ^ (prow & 7)) << 4);
+      va[m] = v_base + ((((2 * m) | hi) ^ (lane & 7)) << 4);
+    }
+#pragma unroll
+    for (int ks = 0; ks < kTileN / 16; ++ks) {
+      uint32_t a0, a1, a2, a3;
+      ldsm_x4(pa[ks], a0, a1, a2, a3);
+#pragma unroll
+      for (int j = 0; j < OT; j += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(va[(j & 7) >> 1] + (j >> 3) * (kTileN * 128) + ks * 16 * 128, b0, b1, b2, b3);
+        mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
+        mma_bf16(acc[j + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+  }
+}
+
+template <int R>
+__device__ __forceinline__ void pv_wait(float (&acc)[Geom<R>::OT][4]) {
+  if constexpr (Geom<R>::kWgmma) {
+    wgmma::wait<0>();
+    fence_operands(reinterpret_cast<float(&)[Geom<R>::OT * 4]>(acc[0][0]));
+  }
+}
+
+// The softmax of one tile for the scores in s, the O rescale, and the barrier after which P is
+// readable by every warp that needs it.
+template <int R>
+__device__ __forceinline__ void softmax_and_rescale(float (&s)[Geom<R>::NT][4],
+                                                    float (&acc)[Geom<R>::OT][4],
+                                                    const int* valid_flags, float* red,
+                                                    uint8_t* sP, int rg, int cg, int g, int q4,
+                                                    float scale_log2, float (&m_run)[2],
+                                                    float (&l_run)[2]) {
+  using G = Geom<R>;
+  float alpha[2];
+  softmax_step<G::NT, G::C>(s, valid_flags, cg * G::kEntriesPerWarp, red, sP, rg, cg, g, q4,
+                            scale_log2, m_run, l_run, alpha);
+  // Once the running maxima settle, most tiles leave them unchanged: skip the rescale then.
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int j = 0; j < G::OT; ++j) {
+      acc[j][0] *= alpha[0];
+      acc[j][1] *= alpha[0];
+      acc[j][2] *= alpha[1];
+      acc[j][3] *= alpha[1];
+    }
+  }
+  if constexpr (G::kWgmma) {
+    wgmma::fence_proxy_async();  // P (ordinary stores) -> tensor-core reads
+    __syncthreads();             // each warpgroup reads all 64 rows of P
+  } else {
+    row_group_sync<G::C>(rg);
+  }
+}
+
+// Q: 16R heads x 512 bf16 into the swizzled Q tile by cp.async; heads past H are zero-filled.
+template <int R>
+__device__ __forceinline__ void load_q(const KernelArgs& a, int64_t t, int head0, uint8_t* sQ) {
+  using G = Geom<R>;
+  for (int i = threadIdx.x; i < G::kHeads * 64; i += G::kThreads) {
+    const int r = i >> 6, c = i & 63, h = head0 + r;
+    const bool valid = h < a.num_heads;
+    const __nv_bfloat16* src =
+        a.q + t * a.q_stride_token + static_cast<int64_t>(valid ? h : 0) * a.q_stride_head + c * 8;
+    cp_async16(smem_u32(sQ) + swz<G::kHeads>(r, c), src, valid);
+  }
+}
+
+// The 1024-byte-aligned base of the dynamic shared memory: the 128-byte swizzle is a function of
+// address bits, so operand tiles sit on 1024-byte boundaries of the shared window.
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+  return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
+}
+
+// bf16 cache: tiles gathered by cp.async into a double buffer, rows resolved one tile ahead.
+template <int R>
+__global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(const KernelArgs a) {
+  using G = Geom<R>;
+  using S = Smem<R, false>;
+  constexpr int kThreads = G::kThreads;
+  constexpr int kStages = 2;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // The 128-byte swizzle is a function of address bits, so operand tiles sit on 1024-byte
-  // boundaries of the shared window.
-  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = aligned_smem(smem_raw);
   uint8_t* sQ = smem + S::kQ;
   uint8_t* sK = smem + S::kK;
   uint8_t* sP = smem + S::kP;
   float* sRed = reinterpret_cast<float*>(smem + S::kRed);
+  RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
+  int* sValid = reinterpret_cast<int*>(smem + S::kValid);
 
   const int64_t t = blockIdx.x;
-  const int head0 = blockIdx.y * S::kHeads;
+  const int head0 = blockIdx.y * G::kHeads;
   const int split = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  constexpr bool kWgmma = R == 4;
   // wgmma: warpgroup cg = warp / 4 holds all 64 rows, warp rg = warp % 4 rows 16 rg.. of them.
-  const int rg = kWgmma ? warp & 3 : warp / C, cg = kWgmma ? warp >> 2 : warp % C;
+  const int rg = G::kWgmma ? warp & 3 : warp / G::C, cg = G::kWgmma ? warp >> 2 : warp % G::C;
   const int g = lane >> 2, q4 = lane & 3;
 
   const int total = a.kv.topk + a.extra.topk;
@@ -467,200 +764,171 @@ __global__ void __launch_bounds__(Smem<R, kFp8>::kThreads, 1)
   const int tile_begin = split * a.tiles_per_split;
   const int tile_end = min(ntiles, tile_begin + a.tiles_per_split);
   const int n = max(0, tile_end - tile_begin);
+  float sinks[2];
+  load_sinks(a, head0, rg, g, sinks);
 
-  // Q: 16R heads x 512 bf16, swizzled; heads past H are zero-filled.
-  for (int i = threadIdx.x; i < S::kHeads * 64; i += kThreads) {
-    const int r = i >> 6, c = i & 63, h = head0 + r;
-    const bool valid = h < a.num_heads;
-    const __nv_bfloat16* src =
-        a.q + t * a.q_stride_token + static_cast<int64_t>(valid ? h : 0) * a.q_stride_head + c * 8;
-    cp_async16(smem_u32(sQ) + swz<S::kHeads>(r, c), src, valid);
-  }
+  load_q<R>(a, t, head0, sQ);
 
-  // Pipeline. Tile `it` of this split lives in stage it % kStages (FP8: raw staging buffer;
-  // bf16: the tile buffer itself); its validity flags in sValid[stage]. Threads 0..63 own one
-  // list entry each: they fetch the slots of a tile one iteration before its copies are issued.
-  RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
-  int* sValid = reinterpret_cast<int*>(smem + S::kValid);
-  auto stage_ptr = [&](int stage) {
-    return kFp8 ? smem + S::kStage + stage * kStageBytes : sK + stage * kTileN * kRowBytes;
-  };
+  // Tile `it` of this split lives in buffer it % 2, its validity flags in sValid[it % 2].
+  // Threads 0..63 own one list entry each: they fetch the slots of a tile one iteration before
+  // its copies are issued.
   const bool owner = threadIdx.x < kTileN;
   auto publish = [&](int32_t slot, int which, int stage) {
-    sRefs[threadIdx.x] = resolve<kFp8>(a, slot, which);
+    sRefs[threadIdx.x] = resolve<false>(a, slot, which);
     sValid[stage * kTileN + threadIdx.x] = slot >= 0;
   };
   int32_t pf_slot = -1;
   int pf_which = 0;
-  // Prologue: tiles 0 .. kStages-2 (the Q copies join the first group).
-#pragma unroll
-  for (int st = 0; st < S::kStages - 1; ++st) {
-    if (owner) {
-      fetch_slot(a, t, tile_begin + st, tile_end, threadIdx.x, pf_slot, pf_which);
-      publish(pf_slot, pf_which, st);
-    }
-    __syncthreads();
-    if (st < n) load_tile<kFp8, kThreads>(sRefs, a.q, stage_ptr(st), threadIdx.x);
-    cp_async_commit();
-    __syncthreads();  // sRefs is reused by the next prologue tile
+  // Prologue: tile 0 (the Q copies join its group).
+  if (owner) {
+    fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
+    publish(pf_slot, pf_which, 0);
   }
-  if (owner)
-    fetch_slot(a, t, tile_begin + S::kStages - 1, tile_end, threadIdx.x, pf_slot, pf_which);
+  __syncthreads();
+  if (n > 0) load_tile_bf16<kThreads>(sRefs, a.q, sK, threadIdx.x);
+  cp_async_commit();
+  __syncthreads();  // sRefs is reused below
+  if (owner) fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
 
-  float acc[OT][4];
+  float acc[G::OT][4];
 #pragma unroll
-  for (int j = 0; j < OT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int j = 0; j < G::OT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY};  // rows g, g + 8 (base-2 units)
   float l_run[2] = {0.f, 0.f};              // this thread's partial sums
-
   const uint32_t q_base = smem_u32(sQ);
   const uint32_t p_base = smem_u32(sP);
 
   for (int it = 0; it < n; ++it) {
-    const int stage = it % S::kStages;
-    cp_async_wait<S::kStages - 2>();  // tile `it` (and Q) landed for this thread's copies
-    if constexpr (kWgmma) wgmma::fence_proxy_async();  // cp.async data -> tensor-core reads
+    const int stage = it % kStages;
+    cp_async_wait<kStages - 2>();  // tile `it` (and Q) landed for this thread's copies
+    if constexpr (G::kWgmma) wgmma::fence_proxy_async();  // cp.async data -> tensor-core reads
     __syncthreads();  // ... and everyone's; all warps are done with tile it-1
-    uint8_t* kt = kFp8 ? sK : stage_ptr(stage);
-    if constexpr (kFp8) {
-      dequant_tile<kThreads>(stage_ptr(stage), sK, threadIdx.x);
-      if constexpr (kWgmma) wgmma::fence_proxy_async();
-    }
-    const int ahead = it + S::kStages - 1;  // the tile whose copies are issued now
+    uint8_t* kt = sK + stage * kTileN * kRowBytes;
+    const int ahead = it + 1;  // the tile whose copies are issued now
     if (owner) {
-      publish(pf_slot, pf_which, ahead % S::kStages);
+      publish(pf_slot, pf_which, ahead % kStages);
       fetch_slot(a, t, tile_begin + ahead + 1, tile_end, threadIdx.x, pf_slot, pf_which);
     }
-    __syncthreads();  // bf16 tile ready (FP8), sRefs published
-    if (ahead < n) load_tile<kFp8, kThreads>(sRefs, a.q, stage_ptr(ahead % S::kStages), threadIdx.x);
+    __syncthreads();  // sRefs published
+    if (ahead < n)
+      load_tile_bf16<kThreads>(sRefs, a.q, sK + (ahead % kStages) * kTileN * kRowBytes,
+                               threadIdx.x);
     cp_async_commit();
-    const int* valid_flags = sValid + stage * kTileN;
     const uint32_t k_base = smem_u32(kt);
 
-    // ---- S = Q K^T over this warp's entries --------------------------------------------
-    float s[NT][4];
-    const int n0 = cg * kEntriesPerWarp;
-    if constexpr (kWgmma) {
-      // Warpgroup cg: S[64 heads, 32 entries] over 32 k-steps; Q and K both K-major.
-      float(&sd)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s[0][0]);
-      // Descriptors advance by constants (start address in 16-byte units, low 14 bits).
-      const uint64_t dq = wgmma::desc_sw128(q_base, 16, 1024);
-      const uint64_t dk = wgmma::desc_sw128(k_base + n0 * 128, 16, 1024);
-      wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < kDim / 16; ++kk) {
-        const uint32_t qoff = (kk >> 2) * (S::kHeads * 128) + (kk & 3) * 32;
-        const uint32_t koff = (kk >> 2) * (kTileN * 128) + (kk & 3) * 32;
-        wgmma::wgmma_m64n32k16_bf16(sd, dq + (qoff >> 4), dk + (koff >> 4), kk > 0);
-      }
-      wgmma::commit();
-      wgmma::wait<0>();
-    } else {
-      // kAcc independent accumulator sets over k break the mma dependency chain when a warp has
-      // few n8 tiles (one chain per tile otherwise).
-      constexpr int kAcc = NT >= 4 ? 1 : 4 / NT;
-      float sa[kAcc][NT][4];
-#pragma unroll
-      for (int u = 0; u < kAcc; ++u)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) sa[u][j][0] = sa[u][j][1] = sa[u][j][2] = sa[u][j][3] = 0.f;
-#pragma unroll 2
-      for (int k0 = 0; k0 < kDim / 16; k0 += kAcc) {
-#pragma unroll
-        for (int u = 0; u < kAcc; ++u) {
-          const int kk = k0 + u;
-          uint32_t a0, a1, a2, a3;
-          ldsm_x4(q_base + swz<S::kHeads>(rg * 16 + (lane & 15), 2 * kk + (lane >> 4)), a0, a1, a2, a3);
-          if constexpr (NT == 1) {
-            uint32_t b0, b1;
-            ldsm_x2(k_base + swz<kTileN>(n0 + (lane & 7), 2 * kk + ((lane >> 3) & 1)), b0, b1);
-            mma_bf16(sa[u][0], a0, a1, a2, a3, b0, b1);
-          } else {
-#pragma unroll
-            for (int j = 0; j < NT; j += 2) {
-              uint32_t b0, b1, b2, b3;
-              ldsm_x4(k_base + swz<kTileN>(n0 + j * 8 + (lane & 7) + ((lane >> 4) << 3),
-                                   2 * kk + ((lane >> 3) & 1)),
-                      b0, b1, b2, b3);
-              mma_bf16(sa[u][j], a0, a1, a2, a3, b0, b1);
-              mma_bf16(sa[u][j + 1], a0, a1, a2, a3, b2, b3);
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          float v = sa[0][j][x];
-#pragma unroll
-          for (int u = 1; u < kAcc; ++u) v += sa[u][j][x];
-          s[j][x] = v;
-        }
-    }
-
-    float alpha[2];
-    softmax_step<NT, C>(s, valid_flags, n0, sRed + (it & 1) * (R * 16 * C), sP, rg, cg, g, q4,
-                        a.scale_log2, m_run, l_run, alpha);
-    // Once the running maxima settle, most tiles leave them unchanged: skip the rescale then.
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < OT; ++j) {
-        acc[j][0] *= alpha[0];
-        acc[j][1] *= alpha[0];
-        acc[j][2] *= alpha[1];
-        acc[j][3] *= alpha[1];
-      }
-    }
-    if constexpr (kWgmma) {
-      wgmma::fence_proxy_async();  // P (ordinary stores) -> tensor-core reads
-      __syncthreads();             // each warpgroup reads all 64 rows of P
-    } else {
-      row_group_sync<C>(rg);
-    }
-
-    // ---- O += P V over this warp's output dims ---------------------------------------------
-    if constexpr (kWgmma) {
-      // Warpgroup cg: O[64 heads, dims 256 cg ..+256] in two N=128 halves; P K-major, V N-major
-      // (the K tile read with dims contiguous: 64-dim panels 8 KB apart, 8-entry groups 1 KB).
-      const uint64_t dp = wgmma::desc_sw128(p_base, 16, 1024);
-      const uint64_t dv = wgmma::desc_sw128(k_base + cg * 4 * (kTileN * 128), kTileN * 128, 1024);
-      wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < kTileN / 16; ++ks) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float(&od)[64] = reinterpret_cast<float(&)[64]>(acc[half * 16][0]);
-          const uint32_t voff = half * 2 * (kTileN * 128) + ks * 16 * 128;
-          wgmma::wgmma_m64n128k16_bf16_tb(od, dp + ((ks * 32) >> 4), dv + (voff >> 4), true);
-        }
-      }
-      wgmma::commit();
-      wgmma::wait<0>();
-    } else {
-      const int d0 = cg * kDimsPerWarp / 8;  // first 16-byte chunk of this warp's dims
-#pragma unroll
-      for (int ks = 0; ks < kTileN / 16; ++ks) {
-        uint32_t a0, a1, a2, a3;
-        {
-          const int row = rg * 16 + (lane & 15), ch = 2 * ks + (lane >> 4);
-          ldsm_x4(p_base + row * 128 + ((ch ^ (row & 7)) << 4), a0, a1, a2, a3);
-        }
-#pragma unroll
-        for (int j = 0; j < OT; j += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(k_base + swz<kTileN>(ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                 d0 + j + (lane >> 4)),
-                    b0, b1, b2, b3);
-          mma_bf16(acc[j], a0, a1, a2, a3, b0, b1);
-          mma_bf16(acc[j + 1], a0, a1, a2, a3, b2, b3);
-        }
-      }
-    }
+    float s[G::NT][4];
+    scores<R>(s, q_base, k_base, rg, cg, lane);
+    softmax_and_rescale<R>(s, acc, sValid + stage * kTileN, sRed + (it & 1) * (R * 16 * G::C),
+                           sP, rg, cg, g, q4, a.scale_log2, m_run, l_run);
+    pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
+    pv_wait<R>(acc);
   }
   cp_async_wait<0>();
 
-  store_outputs<OT, C, 0>(acc, m_run, l_run, sRed, rg, cg, g, q4, a, t, head0, split);
+  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, rg, cg, g, q4, a, t, head0,
+                                         split, sinks);
+}
+
+// FP8 cache: each list entry's row goes global -> registers of the kP threads that own it one
+// tile ahead, and is dequantised (exactly, ~2.5 instructions a value) into a bf16 tile that all
+// heads of the CTA share. With two tiles (32+ heads) the dequantisation of tile it+1 runs while
+// the tensor cores do tile it's P V (wgmma is asynchronous); one tile (16 heads) waits for P V
+// but leaves room for a second CTA on the SM.
+template <int R>
+__global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
+    sparse_mla_fp8_kernel(const KernelArgs a) {
+  using G = Geom<R>;
+  using S = Smem<R, true>;
+  constexpr int kP = G::kThreads / kTileN;  // threads per list entry
+  constexpr int kTileBytes = kTileN * kRowBytes;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = aligned_smem(smem_raw);
+  uint8_t* sQ = smem + S::kQ;
+  uint8_t* sK = smem + S::kK;
+  uint8_t* sP = smem + S::kP;
+  float* sRed = reinterpret_cast<float*>(smem + S::kRed);
+  int* sValid = reinterpret_cast<int*>(smem + S::kValid);
+
+  const int64_t t = blockIdx.x;
+  const int head0 = blockIdx.y * G::kHeads;
+  const int split = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rg = G::kWgmma ? warp & 3 : warp / G::C, cg = G::kWgmma ? warp >> 2 : warp % G::C;
+  const int g = lane >> 2, q4 = lane & 3;
+  const int e = threadIdx.x / kP, q = threadIdx.x % kP;  // this thread's list entry and part
+
+  const int total = a.kv.topk + a.extra.topk;
+  const int ntiles = (total + kTileN - 1) / kTileN;
+  const int tile_begin = split * a.tiles_per_split;
+  const int tile_end = min(ntiles, tile_begin + a.tiles_per_split);
+  const int n = max(0, tile_end - tile_begin);
+  float sinks[2];
+  load_sinks(a, head0, rg, g, sinks);
+
+  load_q<R>(a, t, head0, sQ);
+  cp_async_commit();
+
+  // Entries travel down a pipeline: tile j's slot is fetched at iteration j-4, resolved and its
+  // row prefetched into L2 at j-3, loaded into registers at j-2 and dequantised at j-1.
+  // Prologue: tile 0 dequantised, tile 1 in registers, tile 2 prefetched, tile 3's slot fetched.
+  Fp8Rows<kP> rows;
+  int32_t slots[4], slot_pf;
+  int whiches[4], which_pf;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) fetch_slot(a, t, tile_begin + j, tile_end, e, slots[j], whiches[j]);
+  const RowRef ref0 = resolve<true>(a, slots[0], whiches[0]);
+  const RowRef ref1 = resolve<true>(a, slots[1], whiches[1]);
+  RowRef ref_load = resolve<true>(a, slots[2], whiches[2]);  // the next register loads
+  slot_pf = slots[3];
+  which_pf = whiches[3];
+  load_fp8_row(rows, ref0, q);
+  prefetch_fp8_row<kP>(ref1, q);
+  prefetch_fp8_row<kP>(ref_load, q);
+  store_fp8_row(rows, sK, e, q);
+  if (q == 0) sValid[e] = rows.valid;
+  cp_async_wait<0>();
+  if constexpr (G::kWgmma) wgmma::fence_proxy_async();  // Q, tile 0 -> tensor-core reads
+  load_fp8_row(rows, ref1, q);
+  __syncthreads();
+
+  float acc[G::OT][4];
+#pragma unroll
+  for (int j = 0; j < G::OT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  const uint32_t q_base = smem_u32(sQ);
+  const uint32_t p_base = smem_u32(sP);
+
+  for (int it = 0; it < n; ++it) {
+    const int buf = S::kTiles == 2 ? (it & 1) : 0;
+    const uint32_t k_base = smem_u32(sK + buf * kTileBytes);
+
+    float s[G::NT][4];
+    scores<R>(s, q_base, k_base, rg, cg, lane);
+    softmax_and_rescale<R>(s, acc, sValid + (it & 1) * kTileN, sRed + (it & 1) * (R * 16 * G::C),
+                           sP, rg, cg, g, q4, a.scale_log2, m_run, l_run);
+    pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
+    if (it + 1 < n) {
+      // Tile it+1 from the registers into the other tile (or, with one tile, into this one once
+      // every warp is past its P V), then the pipeline of later tiles advances.
+      if constexpr (S::kTiles == 1) __syncthreads();
+      store_fp8_row(rows, sK + (S::kTiles == 2 ? ((it + 1) & 1) : 0) * kTileBytes, e, q);
+      if (q == 0) sValid[((it + 1) & 1) * kTileN + e] = rows.valid;
+      // The proxy fence (dequantised tile -> wgmma reads) waits for this thread's outstanding
+      // memory operations, so it goes before the next tile's loads are issued, not after.
+      if constexpr (G::kWgmma) wgmma::fence_proxy_async();
+      load_fp8_row(rows, ref_load, q);                     // tile it+2
+      ref_load = resolve<true>(a, slot_pf, which_pf);      // tile it+3
+      prefetch_fp8_row<kP>(ref_load, q);
+      fetch_slot(a, t, tile_begin + it + 4, tile_end, e, slot_pf, which_pf);
+    }
+    pv_wait<R>(acc);
+    __syncthreads();  // tile it+1 and its flags complete; everyone is done with tile it and P
+  }
+
+  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, rg, cg, g, q4, a, t, head0,
+                                         split, sinks);
 }
 
 // Merge the split partials of one (token, head) per warp, in split order.
@@ -695,7 +963,7 @@ __global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const KernelArg
       }
     }
   }
-  const float inv = output_scale(l, m, a.sink, h);
+  const float inv = output_scale(l, m, sink_logit(a, h));
   __nv_bfloat16* out = a.out + t * a.out_stride_token + static_cast<int64_t>(h) * a.out_stride_head;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -715,30 +983,36 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
 template <int R, bool kFp8>
 void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = Smem<R, kFp8>::kAlloc;
-  static_assert(bytes <= 227 * 1024, "shared memory budget");
-  auto* kernel = sparse_mla_kernel<R, kFp8>;
+  static_assert(bytes * Smem<R, kFp8>::kCtasPerSm <= 227 * 1024, "shared memory budget");
+  auto* kernel = kFp8 ? sparse_mla_fp8_kernel<R> : sparse_mla_bf16_kernel<R>;
   ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  kernel<<<grid, Smem<R, kFp8>::kThreads, bytes, stream>>>(a);
+  kernel<<<grid, Geom<R>::kThreads, bytes, stream>>>(a);
 }
 
 CacheView view_of(const SparseMlaCache& c) {
+  const bool pow2 = c.block_size > 0 && (c.block_size & (c.block_size - 1)) == 0;
+  int32_t shift = -1;
+  if (pow2) for (shift = 0; (int64_t{1} << shift) < c.block_size; ++shift) {}
   return CacheView{static_cast<const uint8_t*>(c.data), c.indices, c.indices_stride,
-                   c.block_stride_bytes, static_cast<uint32_t>(c.block_size),
+                   c.block_stride_bytes, static_cast<uint32_t>(c.block_size), shift,
                    static_cast<int32_t>(c.topk)};
 }
 
 }  // namespace
 
 SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, int64_t total_topk,
-                                       int64_t num_sms) {
+                                       int64_t num_sms, bool fp8) {
   SparseMlaCudaPlan plan;
-  const int64_t heads_per_cta = 16 * rows_per_cta(num_heads);
+  const int R = rows_per_cta(num_heads);
+  const int64_t heads_per_cta = 16 * R;
   const int64_t items = num_tokens * ((num_heads + heads_per_cta - 1) / heads_per_cta);
   const int64_t ntiles = (total_topk + kTileN - 1) / kTileN;
+  // CTAs that fit on an SM at once (shared memory); split the list only while the grid is
+  // under one wave of them.
+  const int64_t slots = num_sms * ((fp8 && R == 1) ? Smem<1, true>::kCtasPerSm : 1);
   int64_t splits = 1;
-  // One CTA per SM (shared memory): split the list only while the grid is under one wave.
-  if (items > 0 && items < num_sms && ntiles > 1)
-    splits = std::min<int64_t>(ntiles, std::max<int64_t>(1, num_sms / items));
+  if (items > 0 && items < slots && ntiles > 1)
+    splits = std::min<int64_t>(ntiles, std::max<int64_t>(1, slots / items));
   const int64_t per_split = splits > 0 ? (ntiles + splits - 1) / splits : 0;
   if (per_split > 0) splits = (ntiles + per_split - 1) / per_split;  // no empty split
   plan.num_splits = std::max<int64_t>(1, splits);
@@ -771,7 +1045,7 @@ void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan
   if (p.has_extra) {
     a.extra = view_of(p.extra_kv);
   } else {
-    a.extra = CacheView{a.kv.data, a.kv.indices, 0, 0, 1, 0};
+    a.extra = CacheView{a.kv.data, a.kv.indices, 0, 0, 1, 0, 0};
   }
   a.sink = p.attn_sink;
   a.scale_log2 = p.softmax_scale * kLog2e;

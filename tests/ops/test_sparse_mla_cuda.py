@@ -131,6 +131,9 @@ def test_plan_splits_only_small_grids():
     splits, per, ws = _C.sparse_mla_cuda_plan(64, 64, 640, sms)
     assert splits * per >= 10 and (splits - 1) * per < 10 and ws == splits * 64 * 64 * 514
     assert _C.sparse_mla_cuda_plan(4, 64, 0, sms)[0] == 1          # empty lists
+    # 16 heads over an FP8 cache fit two CTAs on an SM: 128 tokens still split in two.
+    assert _C.sparse_mla_cuda_plan(128, 16, 640, sms)[0] == 1
+    assert _C.sparse_mla_cuda_plan(128, 16, 640, sms, fp8=True)[0] == 2
 
 
 def test_float32_query_uses_the_torch_path(gen):

@@ -90,8 +90,9 @@ struct SparseMlaCudaPlan {
 };
 
 // The plan depends on shapes only (never on device values), so launches need no host sync.
+// fp8: the cache is in the FP8 layout (some head counts then fit two CTAs on an SM).
 SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, int64_t total_topk,
-                                       int64_t num_sms);
+                                       int64_t num_sms, bool fp8 = false);
 
 // Requirements (checked by the Python op): q rows, cache blocks and out rows 16-byte aligned
 // (strides in elements multiples of 8, cache block stride a multiple of 16 bytes); `workspace`

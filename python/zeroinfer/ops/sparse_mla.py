@@ -164,7 +164,8 @@ def _launch_cuda(q, kv_cache, kv_block_size, indices, softmax_scale, attn_sink, 
     nothing here waits for the device."""
     T, H, _ = q.shape
     total = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
-    num_splits, per_split, ws_floats = _C.sparse_mla_cuda_plan(T, H, total, _num_sms(q.device))
+    num_splits, per_split, ws_floats = _C.sparse_mla_cuda_plan(
+        T, H, total, _num_sms(q.device), fp8=kv_cache.dtype == torch.uint8)
     workspace = (torch.empty(ws_floats, dtype=torch.float32, device=q.device)
                  if ws_floats else None)
     _C.sparse_mla_attention_cuda(

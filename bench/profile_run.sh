@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Nsight Compute on the H200 for one sparse-MLA call (run after bench/run_h200.sh's build step):
+# the full section set, and the per-SASS-instruction source page (stall samples, executed
+# instructions) as CSV, under $OUT.   usage: bash bench/profile_run.sh <kernel regex> <args...>
+set -uo pipefail
+OUT=${OUT:-/tmp/zeroinfer-out}
+regex=$1; shift
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+ncu --clock-control none --set full --import-source no -k "regex:$regex" -c 1 -f -o "$OUT/prof" \
+  python3 "$@" > "$OUT/ncu_run.log" 2>&1
+tail -5 "$OUT/ncu_run.log"
+ncu -i "$OUT/prof.ncu-rep" --print-summary none > "$OUT/ncu_details.txt" 2>&1
+ncu -i "$OUT/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
+gzip -f "$OUT/ncu_source.csv"
+rm -f "$OUT/prof.ncu-rep"
+grep -E "Duration|Executed Ipc A|Issue Slots Busy|Warp Cycles Per Issued|Executed Instructions  |Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy" "$OUT/ncu_details.txt"
