@@ -536,7 +536,8 @@ struct Smem {
   static constexpr int kRed = kP + kHeads * kTileN * 2;        // [2][R][16][C] floats
   static constexpr int kRefs = kRed + 2 * R * 16 * kC * 4;     // [64] RowRef (bf16)
   static constexpr int kValid = kRefs + kTileN * 16;           // [2][64] int
-  static constexpr int kBytes = kValid + 2 * kTileN * 4;
+  static constexpr int kXchg = kValid + 2 * kTileN * 4;        // wgmma S halves [2][128][16]
+  static constexpr int kBytes = kXchg + (R == 4 ? 2 * 128 * 16 * 4 : 0);
   static constexpr int kAlloc = kBytes + 1024;  // slack to align the base to 1024 bytes
   static_assert(R != 4 || (kK % 1024 == 0 && kP % 1024 == 0),
                 "wgmma operands must start on 1024-byte boundaries");
@@ -551,28 +552,58 @@ __device__ __forceinline__ void fence_operands(float (&r)[N]) {
 }
 
 // S = Q K^T for this warp's entries of the tile at k_base (all 512 dims); complete on return.
+// wgmma (64 heads): warpgroup cg computes a partial S over ALL 64 entries and dims 256 cg ..+256
+// (16 m64n64k16 instead of 32 m64n32k16 over all dims: half the Q operand reads from shared
+// memory), then the warpgroups swap the halves they do not keep through `xchg` ([2][128][16]
+// floats): warpgroup cg ends with entries 32 cg ..+32, summed in a fixed order (dims 0..255
+// first), as the softmax expects.
 template <int R>
 __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_base,
-                                       uint32_t k_base, int rg, int cg, int lane) {
+                                       uint32_t k_base, int rg, int cg, int lane, float* xchg) {
   using G = Geom<R>;
   constexpr int NT = G::NT;
   const int n0 = cg * G::kEntriesPerWarp;
   if constexpr (G::kWgmma) {
-    // Warpgroup cg: S[64 heads, 32 entries] over 32 k-steps; Q and K both K-major.
-    float(&sd)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s[0][0]);
-    // Descriptors advance by constants (start address in 16-byte units, low 14 bits).
+    static_assert(NT == 4, "64 heads: each warpgroup keeps 32 entries");
+    float full[32];  // this warpgroup's partial S[64 heads, 64 entries]: n8 group j at 4j..
     const uint64_t dq = wgmma::desc_sw128(q_base, 16, 1024);
-    const uint64_t dk = wgmma::desc_sw128(k_base + n0 * 128, 16, 1024);
+    const uint64_t dk = wgmma::desc_sw128(k_base, 16, 1024);
     wgmma::fence();
 #pragma unroll
-    for (int kk = 0; kk < kDim / 16; ++kk) {
+    for (int k = 0; k < kDim / 32; ++k) {
+      const int kk = cg * (kDim / 32) + k;  // k-step of 16 dims
       const uint32_t qoff = (kk >> 2) * (G::kHeads * 128) + (kk & 3) * 32;
       const uint32_t koff = (kk >> 2) * (kTileN * 128) + (kk & 3) * 32;
-      wgmma::wgmma_m64n32k16_bf16(sd, dq + (qoff >> 4), dk + (koff >> 4), kk > 0);
+      wgmma::wgmma_m64n64k16_bf16(full, dq + (qoff >> 4), dk + (koff >> 4), k > 0);
     }
     wgmma::commit();
     wgmma::wait<0>();
-    fence_operands(sd);
+    fence_operands(full);
+    // Give away the other warpgroup's 32 entries, take this one's from it.
+    const int tid = threadIdx.x & 127;
+    float4* mine = reinterpret_cast<float4*>(xchg) + cg * 4 * 128;
+    const float4* theirs = reinterpret_cast<const float4*>(xchg) + (cg ^ 1) * 4 * 128;
+    // (Selects with constant register indices: a run-time index would put `full` on the stack.)
+    const bool first = cg == 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float g4[4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) g4[x] = first ? full[16 + 4 * i + x] : full[4 * i + x];
+      mine[i * 128 + tid] = make_float4(g4[0], g4[1], g4[2], g4[3]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 v = theirs[i * 128 + tid];
+      const float o[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        // Fixed order: the dims 0..255 partial first, whichever warpgroup holds it.
+        const float own = first ? full[4 * i + x] : full[16 + 4 * i + x];
+        s[i][x] = first ? own + o[x] : o[x] + own;
+      }
+    }
   } else {
     // kAcc independent accumulator sets over k break the mma dependency chain when a warp has
     // few n8 tiles (one chain per tile otherwise).
@@ -817,7 +848,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
     const uint32_t k_base = smem_u32(kt);
 
     float s[G::NT][4];
-    scores<R>(s, q_base, k_base, rg, cg, lane);
+    scores<R>(s, q_base, k_base, rg, cg, lane, reinterpret_cast<float*>(smem + S::kXchg));
     softmax_and_rescale<R>(s, acc, sValid + stage * kTileN, sRed + (it & 1) * (R * 16 * G::C),
                            sP, rg, cg, g, q4, a.scale_log2, m_run, l_run);
     pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
@@ -905,7 +936,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
     const uint32_t k_base = smem_u32(sK + buf * kTileBytes);
 
     float s[G::NT][4];
-    scores<R>(s, q_base, k_base, rg, cg, lane);
+    scores<R>(s, q_base, k_base, rg, cg, lane, reinterpret_cast<float*>(smem + S::kXchg));
     softmax_and_rescale<R>(s, acc, sValid + (it & 1) * kTileN, sRed + (it & 1) * (R * 16 * G::C),
                            sP, rg, cg, g, q4, a.scale_log2, m_run, l_run);
     pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
