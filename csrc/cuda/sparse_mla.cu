@@ -4,17 +4,25 @@
 // item is (token, group of heads, split of the list).
 //
 // One CTA covers 16*R query heads of one token (R = 1, 2 or 4 row groups of 16 heads; more heads
-// take more CTAs) over tiles of kTileN = 64 list entries. The 64 KV rows of a tile are gathered
-// by cp.async (FP8: into a raw staging ring, then dequantised ONCE per CTA into a bf16 tile
-// shared by all its heads; bf16: straight into a double-buffered tile). Warps are arranged R x C:
+// take more CTAs) over tiles of kTileN = 64 list entries, dequantised or copied ONCE per CTA into
+// a bf16 tile that all its heads share:
+//   bf16 cache (sparse_mla_bf16_kernel): rows gathered by cp.async into a double-buffered tile.
+//   FP8 cache (sparse_mla_fp8_kernel): the kThreads/64 threads that own a list entry load its row
+//     into registers one tile ahead (after an L2 prefetch one tile earlier still) and dequantise
+//     it exactly with bit moves and one bf16x2 multiply a pair, into the tile the MMA does not
+//     read at the moment (two tiles; one for 16 heads, so that two CTAs share an SM).
+// Warps are arranged R x C:
 //   S = Q K^T   warp (rg, cg) computes heads rg*16.. over entries cg*(64/C).. (all 512 dims),
-//   softmax     row maxima exchanged through shared memory within the row group,
+//   softmax     row maxima exchanged through shared memory within the row group; the running
+//               max moves lazily (only when it grows by more than 2^8),
 //   O += P V    P goes through shared memory; warp (rg, cg) owns output dims cg*(512/C)..
 // so one warp's fp32 accumulator is 16 x 512/C. R = 1 (8 warps) and R = 2 (16 warps) use
-// mma.sync m16n8k16 with ldmatrix; R = 4 (8 warps = two warpgroups, C = 2) uses wgmma: each
-// warpgroup computes S for half of the entries and O for half of the dims, operands read by
-// the tensor cores straight from the 128-byte-swizzled tiles (wgmma.cuh). Where the time goes on
-// the H200, and what was tried: bench/results/h200/sparse_mla_NOTES.md.
+// mma.sync m16n8k16 with ldmatrix; R = 4 (8 warps = two warpgroups, C = 2) uses wgmma, operands
+// read by the tensor cores straight from the 128-byte-swizzled tiles (wgmma.cuh): each
+// warpgroup computes S over half of the dims for all entries and keeps its half of the entries
+// after a fixed-order exchange, and O for half of the dims; the FP8 dequantisation of the next
+// tile runs while P V is in flight. Outputs leave through shared memory in 16-byte stores.
+// Where the time goes on the H200, and what was tried: bench/results/h200/sparse_mla_NOTES.md.
 //
 // Split-KV: with few (token, head-group) items the list is cut into `num_splits` pieces; each
 // writes an unnormalised fp32 partial (O, max, sum) to the workspace and a combine kernel merges
