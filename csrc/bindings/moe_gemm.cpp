@@ -12,6 +12,33 @@
 namespace py = pybind11;
 
 namespace zi::bindings {
+namespace {
+
+// The fields the CPU entry (Mxfp4GemmParams) and the CUDA entry (Mxfp4CudaGemmParams) share.
+template <class Params>
+void set_common(Params& p, uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t expert_offsets,
+                uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out, int out_dtype,
+                int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k,
+                bool fuse_swiglu, const std::optional<double>& swiglu_limit) {
+  p.a = as_ptr<const void>(a);
+  p.a_dtype = static_cast<DType>(a_dtype);
+  p.a_scale = as_ptr<const float>(a_scale);
+  p.expert_offsets = as_ptr<const int32_t>(expert_offsets);
+  p.expert_counts = as_ptr<const int32_t>(expert_counts);
+  p.masked_m = as_ptr<const int32_t>(masked_m);
+  p.out = as_ptr<void>(out);
+  p.out_dtype = static_cast<DType>(out_dtype);
+  p.num_experts = num_experts;
+  p.m = m_rows;
+  p.cap = cap;
+  p.n = n;
+  p.k = k;
+  p.fuse_swiglu = fuse_swiglu;
+  p.has_swiglu_limit = swiglu_limit.has_value();
+  p.swiglu_limit = swiglu_limit ? static_cast<float>(*swiglu_limit) : 0.f;
+}
+
+}  // namespace
 
 void register_moe_gemm(py::module_& m) {
   def(m,
@@ -21,24 +48,10 @@ void register_moe_gemm(py::module_& m) {
          int out_dtype, int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k,
          bool fuse_swiglu, std::optional<double> swiglu_limit) {
         Mxfp4GemmParams p;
-        p.a = as_ptr<const void>(a);
-        p.a_dtype = static_cast<DType>(a_dtype);
-        p.a_scale = as_ptr<const float>(a_scale);
+        set_common(p, a, a_dtype, a_scale, expert_offsets, expert_counts, masked_m, out,
+                   out_dtype, num_experts, m_rows, cap, n, k, fuse_swiglu, swiglu_limit);
         p.w = as_ptr<const uint8_t>(w);
         p.w_scale = as_ptr<const uint8_t>(w_scale);
-        p.expert_offsets = as_ptr<const int32_t>(expert_offsets);
-        p.expert_counts = as_ptr<const int32_t>(expert_counts);
-        p.masked_m = as_ptr<const int32_t>(masked_m);
-        p.out = as_ptr<void>(out);
-        p.out_dtype = static_cast<DType>(out_dtype);
-        p.num_experts = num_experts;
-        p.m = m_rows;
-        p.cap = cap;
-        p.n = n;
-        p.k = k;
-        p.fuse_swiglu = fuse_swiglu;
-        p.has_swiglu_limit = swiglu_limit.has_value();
-        p.swiglu_limit = swiglu_limit ? static_cast<float>(*swiglu_limit) : 0.f;
         py::gil_scoped_release nogil;
         mxfp4_grouped_gemm_cpu(p);
       },
@@ -58,28 +71,14 @@ void register_moe_gemm(py::module_& m) {
          std::optional<double> swiglu_limit, int tile, uintptr_t stream) {
 #ifdef ZEROINFER_WITH_CUDA
         Mxfp4CudaGemmParams p;
-        p.a = as_ptr<const void>(a);
-        p.a_dtype = static_cast<DType>(a_dtype);
-        p.a_scale = as_ptr<const float>(a_scale);
+        set_common(p, a, a_dtype, a_scale, expert_offsets, expert_counts, masked_m, out,
+                   out_dtype, num_experts, m_rows, cap, n, k, fuse_swiglu, swiglu_limit);
         p.w_packed = as_ptr<const uint8_t>(w_packed);
         p.n_pad = n_pad;
         p.k_pad = k_pad;
         p.gate_up_interleaved = gate_up_interleaved;
         p.fp8_layout = fp8_layout;
         p.wide_scales = wide_scales;
-        p.expert_offsets = as_ptr<const int32_t>(expert_offsets);
-        p.expert_counts = as_ptr<const int32_t>(expert_counts);
-        p.masked_m = as_ptr<const int32_t>(masked_m);
-        p.out = as_ptr<void>(out);
-        p.out_dtype = static_cast<DType>(out_dtype);
-        p.num_experts = num_experts;
-        p.m = m_rows;
-        p.cap = cap;
-        p.n = n;
-        p.k = k;
-        p.fuse_swiglu = fuse_swiglu;
-        p.has_swiglu_limit = swiglu_limit.has_value();
-        p.swiglu_limit = swiglu_limit ? static_cast<float>(*swiglu_limit) : 0.f;
         p.tile = tile;
         py::gil_scoped_release nogil;
         mxfp4_grouped_gemm_cuda(p, as_ptr<void>(stream));

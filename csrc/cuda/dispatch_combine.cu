@@ -39,6 +39,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "block_scan.cuh"
 #include "check.cuh"
 #include "zeroinfer/dispatch_combine.h"
 #include "zeroinfer/numeric.h"
@@ -68,35 +69,6 @@ __device__ __forceinline__ int load_id(const void* ids, bool is64, int64_t i) {
 }
 
 __device__ __forceinline__ int pad_to(int c, int tile) { return (c + tile - 1) / tile * tile; }
-
-// Exclusive scan of one int per thread over the block (blockDim a multiple of 32, <= 1024);
-// *total = the block's sum, for every thread.
-__device__ int block_exclusive_scan(int v, int* total) {
-  __shared__ int warp_sums[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) warp_sums[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int s = lane < nwarps ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += y;
-    }
-    warp_sums[lane] = s;  // inclusive
-  }
-  __syncthreads();
-  const int before = (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
-  *total = warp_sums[nwarps - 1];
-  __syncthreads();
-  return before;
-}
 
 // One 32-entry step of a warp walk (lane = entry order; e = -1: no entry): the lane's row
 // (cursor[e] + rank among equal experts, -1 for none); advances cursor by the step's counts.

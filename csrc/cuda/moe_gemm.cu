@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "block_scan.cuh"
 #include "check.cuh"
 #include "zeroinfer/moe_gemm.h"
 #include "zeroinfer/numeric.h"
@@ -314,9 +315,8 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, in
 // prefix[e] = tiles of the experts before e (bm rows per tile); prefix[E] = total tiles.
 template <class C>
 __device__ void build_schedule(const Mxfp4CudaGemmParams& p, int* prefix, int* row0, int* cnt) {
-  __shared__ int warp_sums[32];
   const int E = static_cast<int>(p.num_experts);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const int per = (E + C::threads - 1) / C::threads;
   const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
   int sum = 0;
@@ -336,21 +336,8 @@ __device__ void build_schedule(const Mxfp4CudaGemmParams& p, int* prefix, int* r
     cnt[e] = c;
     sum += (c + C::bm - 1) / C::bm;
   }
-  // Block-wide exclusive scan of `sum`.
-  int x = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) warp_sums[warp] = x;
-  __syncthreads();
-  int before = x - sum;
-  int total = 0;
-  for (int w = 0; w < C::threads / 32; ++w) {
-    if (w < warp) before += warp_sums[w];
-    total += warp_sums[w];
-  }
+  int total;
+  int before = block_exclusive_scan(sum, &total);
   for (int e = e0; e < e1; ++e) {
     prefix[e] = before;
     before += (cnt[e] + C::bm - 1) / C::bm;

@@ -773,6 +773,55 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
   return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
 }
 
+// Which work item a CTA runs (query token, group of 16R heads, split of the list: tiles
+// [tile_begin, tile_end), n of them) and where the thread sits in the warp layout. wgmma:
+// warpgroup cg = warp / 4 holds all 64 rows, warp rg = warp % 4 rows 16 rg.. of them.
+struct WorkItem {
+  int64_t t;
+  int head0, split, tile_begin, tile_end, n;
+  int lane, rg, cg, g, q4;
+};
+
+template <int R>
+__device__ __forceinline__ WorkItem work_item(const KernelArgs& a) {
+  using G = Geom<R>;
+  WorkItem w;
+  w.t = blockIdx.x;
+  w.head0 = blockIdx.y * G::kHeads;
+  w.split = blockIdx.z;
+  const int ntiles = (a.kv.topk + a.extra.topk + kTileN - 1) / kTileN;
+  w.tile_begin = w.split * a.tiles_per_split;
+  w.tile_end = min(ntiles, w.tile_begin + a.tiles_per_split);
+  w.n = max(0, w.tile_end - w.tile_begin);
+  w.lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  w.rg = G::kWgmma ? warp & 3 : warp / G::C;
+  w.cg = G::kWgmma ? warp >> 2 : warp % G::C;
+  w.g = w.lane >> 2;
+  w.q4 = w.lane & 3;
+  return w;
+}
+
+// The regions of a CTA's shared memory (layout in Smem).
+struct SmemTiles {
+  uint8_t *q, *k, *p;
+  float* red;
+  RowRef* refs;
+  int* valid;
+  float* xchg;
+};
+
+template <int R, bool kFp8>
+__device__ __forceinline__ SmemTiles smem_tiles(uint8_t* raw) {
+  using S = Smem<R, kFp8>;
+  uint8_t* smem = aligned_smem(raw);
+  return SmemTiles{smem + S::kQ, smem + S::kK, smem + S::kP,
+                   reinterpret_cast<float*>(smem + S::kRed),
+                   reinterpret_cast<RowRef*>(smem + S::kRefs),
+                   reinterpret_cast<int*>(smem + S::kValid),
+                   reinterpret_cast<float*>(smem + S::kXchg)};
+}
+
 // bf16 cache: tiles gathered by cp.async into a double buffer, rows resolved one tile ahead.
 template <int R>
 __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(const KernelArgs a) {
@@ -782,27 +831,8 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
   constexpr int kStages = 2;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = aligned_smem(smem_raw);
-  uint8_t* sQ = smem + S::kQ;
-  uint8_t* sK = smem + S::kK;
-  uint8_t* sP = smem + S::kP;
-  float* sRed = reinterpret_cast<float*>(smem + S::kRed);
-  RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
-  int* sValid = reinterpret_cast<int*>(smem + S::kValid);
-
-  const int64_t t = blockIdx.x;
-  const int head0 = blockIdx.y * G::kHeads;
-  const int split = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // wgmma: warpgroup cg = warp / 4 holds all 64 rows, warp rg = warp % 4 rows 16 rg.. of them.
-  const int rg = G::kWgmma ? warp & 3 : warp / G::C, cg = G::kWgmma ? warp >> 2 : warp % G::C;
-  const int g = lane >> 2, q4 = lane & 3;
-
-  const int total = a.kv.topk + a.extra.topk;
-  const int ntiles = (total + kTileN - 1) / kTileN;
-  const int tile_begin = split * a.tiles_per_split;
-  const int tile_end = min(ntiles, tile_begin + a.tiles_per_split);
-  const int n = max(0, tile_end - tile_begin);
+  const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] = smem_tiles<R, false>(smem_raw);
+  const auto [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = work_item<R>(a);
   float sinks[2];
   load_sinks(a, head0, rg, g, sinks);
 
@@ -856,7 +886,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
     const uint32_t k_base = smem_u32(kt);
 
     float s[G::NT][4];
-    scores<R>(s, q_base, k_base, rg, cg, lane, reinterpret_cast<float*>(smem + S::kXchg));
+    scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
     softmax_and_rescale<R>(s, acc, sValid + stage * kTileN, sRed + (it & 1) * (R * 16 * G::C),
                            sP, rg, cg, g, q4, a.scale_log2, m_run, l_run);
     pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
@@ -882,26 +912,10 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
   constexpr int kTileBytes = kTileN * kRowBytes;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = aligned_smem(smem_raw);
-  uint8_t* sQ = smem + S::kQ;
-  uint8_t* sK = smem + S::kK;
-  uint8_t* sP = smem + S::kP;
-  float* sRed = reinterpret_cast<float*>(smem + S::kRed);
-  int* sValid = reinterpret_cast<int*>(smem + S::kValid);
-
-  const int64_t t = blockIdx.x;
-  const int head0 = blockIdx.y * G::kHeads;
-  const int split = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rg = G::kWgmma ? warp & 3 : warp / G::C, cg = G::kWgmma ? warp >> 2 : warp % G::C;
-  const int g = lane >> 2, q4 = lane & 3;
+  [[maybe_unused]] const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] =
+      smem_tiles<R, true>(smem_raw);
+  const auto [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = work_item<R>(a);
   const int e = threadIdx.x / kP, q = threadIdx.x % kP;  // this thread's list entry and part
-
-  const int total = a.kv.topk + a.extra.topk;
-  const int ntiles = (total + kTileN - 1) / kTileN;
-  const int tile_begin = split * a.tiles_per_split;
-  const int tile_end = min(ntiles, tile_begin + a.tiles_per_split);
-  const int n = max(0, tile_end - tile_begin);
   float sinks[2];
   load_sinks(a, head0, rg, g, sinks);
 
@@ -944,7 +958,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
     const uint32_t k_base = smem_u32(sK + buf * kTileBytes);
 
     float s[G::NT][4];
-    scores<R>(s, q_base, k_base, rg, cg, lane, reinterpret_cast<float*>(smem + S::kXchg));
+    scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
     softmax_and_rescale<R>(s, acc, sValid + (it & 1) * kTileN, sRed + (it & 1) * (R * 16 * G::C),
                            sP, rg, cg, g, q4, a.scale_log2, m_run, l_run);
     pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
