@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Nsight Compute on the H200 for one sparse-MLA call (run after bench/run_h200.sh's build step):
-# the full section set, and the per-SASS-instruction source page (stall samples, executed
-# instructions) as CSV, under $OUT.   usage: bash bench/profile_run.sh <kernel regex> <args...>
+# Nsight Compute on the H200 for one kernel launch (run after bench/run_h200.sh's build step):
+# the full section set as text, and the per-SASS-instruction source page (stall samples,
+# executed instructions) as gzipped CSV, under $OUT; read the CSV with bench/ncu_summary.py.
+#   usage: bash bench/profile_run.sh <kernel regex> <python script> [args...]
+#   e.g.   bash bench/profile_run.sh sparse_mla_fp8 bench/profile_sparse_mla.py 256 64 fp8
 set -uo pipefail
 OUT=${OUT:-/tmp/zeroinfer-out}
 regex=$1; shift
