@@ -44,6 +44,7 @@
 
 #include "block_scan.cuh"
 #include "check.cuh"
+#include "ptx.cuh"
 #include "zeroinfer/moe_gemm.h"
 #include "zeroinfer/numeric.h"
 
@@ -93,29 +94,9 @@ using TinyCfg = Cfg<F, 4, 1, 1, 1, F ? 7 : 6, 5>;
 template <bool F>
 using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
 
-// ---- PTX wrappers ------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, bypassing L1; src_bytes = 0 zero-fills without reading.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-
+// ---- PTX wrappers (the shared ones are in ptx.cuh) ------------------------------------------------------------------------------
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // D = A * B + D; A 16x16 bf16 (row), B 16x8 bf16 (col), float32 accumulators.
@@ -135,13 +116,6 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], 
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f), "f"(0.f),
         "f"(0.f), "f"(0.f));
-}
-
-// Exact bf16x2 product (fma with -0 keeps the sign of zero products; bf16 subnormals are kept).
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-  return d;
 }
 
 // ---- weight decode -----------------------------------------------------------------------------

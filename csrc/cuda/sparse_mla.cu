@@ -37,7 +37,9 @@
 #include <cstdint>
 
 #include "check.cuh"
+#include "ptx.cuh"
 #include "wgmma.cuh"
+#include "zeroinfer/numeric.h"
 #include "zeroinfer/sparse_mla.h"
 
 namespace zi {
@@ -47,11 +49,14 @@ constexpr int kDim = 512;
 constexpr int kTileN = 64;                       // list entries per tile
 // Warps per CTA: 8 for one row group of 16 heads, 16 otherwise (more warps in flight hide the
 // ldmatrix/mma/dequantisation latencies of a CTA that owns a whole SM's shared memory).
-// 64 heads (R = 4) run on wgmma with two warpgroups (one per half of the entries in S = QK^T,
-// one per half of the output dims in O = PV).
+// 64 heads (R = 4) run on wgmma with two warpgroups (one per half of the dims in S = QK^T, then
+// of the entries in the softmax, and one per half of the output dims in O = PV).
 constexpr int warps_for(int R) { return R == 2 ? 16 : 8; }
 constexpr int kRowBytes = kDim * 2;              // one bf16 row in shared memory (64 chunks)
 constexpr int kFp8Row = 576;                     // 448 e4m3 + 64 bf16
+constexpr int kFp8Chunks = kFp8Row / 16;         // 16-byte chunks of an FP8 row: 36
+constexpr int kNopeChunks = 448 / 16;            // of them e4m3 (16 values each): 28
+constexpr int kRopeChunk0 = 448 / 8;             // first bf16 tile chunk of the RoPE dims: 56
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -62,20 +67,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 template <int kRows>
 __device__ __forceinline__ uint32_t swz(int r, int c) {
   return static_cast<uint32_t>((c >> 3) * (kRows * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
@@ -135,21 +126,11 @@ __device__ __forceinline__ void dequant4(uint32_t x, float scale, uint32_t& lo, 
   hi = pack_bf16(f1.x * scale, f1.y * scale);
 }
 
-__device__ __forceinline__ float ue8m0(uint32_t b) {
-  return b ? __uint_as_float(b << 23) : __uint_as_float(0x00400000u);  // 2^(b-127)
-}
-
 // Two e4m3 values, as bytes 1 and 3 of `a` (the other bytes zero), -> the bf16 pair with the same
 // bits moved down by 4: sign in place, exponent and mantissa in the bf16 fields. Its value is the
 // e4m3 value times 2^-120 exactly (e4m3 subnormals land on bf16 subnormals).
 __device__ __forceinline__ uint32_t e4m3x2_as_bf16x2_shifted(uint32_t a) {
   return (a & 0x80008000u) | ((a & 0x7F007F00u) >> 4);
-}
-
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t x, uint32_t y) {
-  uint32_t d;
-  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(x), "r"(y));
-  return d;
 }
 
 // 16 e4m3 values times 2^(b-127) (UE8M0 byte b) -> 16 bf16 in two 16-byte chunks. Fast path
@@ -168,7 +149,7 @@ __device__ __forceinline__ void dequant16(const uint4& x, uint32_t b, uint4& lo,
       o[2 * i + 1] = bf16x2_mul(e4m3x2_as_bf16x2_shifted(__byte_perm(w[i], 0, 0x3424)), m2);
     }
   } else {
-    const float sc = ue8m0(b);
+    const float sc = ue8m0_to_float(static_cast<uint8_t>(b));
 #pragma unroll
     for (int i = 0; i < 4; ++i) dequant4(w[i], sc, o[2 * i], o[2 * i + 1]);
   }
@@ -218,20 +199,18 @@ __device__ __forceinline__ int32_t lookup(const KernelArgs& a, int64_t t, int po
   return p2 < a.extra.topk ? a.extra.indices[t * a.extra.stride + p2] : -1;
 }
 
-// Where a tile's row lives: resolved once per entry (by threads 0..63, from indices fetched an
-// iteration earlier so their global-memory latency hides behind the previous tile's math) and
-// published in shared memory for all threads' cp.asyncs. row == nullptr: skip (zero-fill).
+// Where a list entry's cache row lives (row == nullptr: skip, zero-fill). The bf16 kernel
+// resolves each entry once (threads 0..63) and publishes it in shared memory for every thread's
+// cp.asyncs; in the FP8 kernel the threads that load an entry resolve it themselves.
 struct RowRef {
   const uint8_t* row;    // FP8: the 576-byte row; bf16: the 1024-byte row
   const uint8_t* scale;  // FP8: the 8 scale bytes
 };
 
-// Slot of list position `e` of tile `tile` (kN entries a tile; -1 past the list or the split),
-// and its cache.
-template <int kN = kTileN>
+// Slot of entry `e` of tile `tile` (-1 past the list or the split), and its cache.
 __device__ __forceinline__ void fetch_slot(const KernelArgs& a, int64_t t, int tile, int tile_end,
                                            int e, int32_t& slot, int& which) {
-  const int pos = tile * kN + e;
+  const int pos = tile * kTileN + e;
   slot = -1;
   which = 0;
   if (tile < tile_end && pos < a.kv.topk + a.extra.topk) slot = lookup(a, t, pos, which);
@@ -282,11 +261,12 @@ __device__ __forceinline__ uint4 ldg_stream16(const void* p) {
 // One list entry's FP8 row, held in the registers of the kP threads that own the entry from the
 // moment its loads are issued (one tile ahead, so their latency hides behind a tile of math)
 // until it is dequantised into the bf16 tile. Thread q of the entry holds 16-byte chunks
-// c = q, q + kP, ... of the 576-byte row (0..27: e4m3 dims 16c.., 28..35: the bf16 RoPE dims)
+// c = q, q + kP, ... of the 576-byte row (the first kNopeChunks: e4m3 dims 16c.., the rest: the
+// bf16 RoPE dims)
 // and all 8 scale bytes.
 template <int kP>
 struct Fp8Rows {
-  static constexpr int kChunks = (36 + kP - 1) / kP;
+  static constexpr int kChunks = (kFp8Chunks + kP - 1) / kP;
   uint4 v[kChunks];
   uint2 scales;
   bool valid;
@@ -302,7 +282,7 @@ __device__ __forceinline__ void load_fp8_row(Fp8Rows<kP>& r, const RowRef& ref, 
 #pragma unroll
   for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) {
     const int c = q + kP * k;
-    if (c < 36) r.v[k] = ldg_stream16(ref.row + c * 16);
+    if (c < kFp8Chunks) r.v[k] = ldg_stream16(ref.row + c * 16);
   }
   r.scales = *reinterpret_cast<const uint2*>(ref.scale);
 }
@@ -333,14 +313,14 @@ __device__ __forceinline__ void store_fp8_row(const Fp8Rows<kP>& r, uint8_t* til
 #pragma unroll
   for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) {
     const int c = q + kP * k;
-    if (c >= 36) continue;
-    if (c < 28) {
+    if (c >= kFp8Chunks) continue;
+    if (c < kNopeChunks) {
       uint4 lo, hi;
       dequant16(r.v[k], static_cast<uint32_t>(sc >> (8 * (c >> 2))) & 0xffu, lo, hi);
       *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 2 * c)) = lo;
       *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 2 * c + 1)) = hi;
     } else {
-      *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 56 + (c - 28))) = r.v[k];
+      *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, kRopeChunk0 + (c - kNopeChunks))) = r.v[k];
     }
   }
 }
@@ -391,7 +371,6 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
   // the sums are fp32). O and l always refer to the same max, so the result is unchanged, and
   // after the first tiles almost no tile pays for the 2 x OT x 2 multiplies of the O rescale.
   constexpr float kRescaleSlack = 8.f;
-  float m_new[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     alpha[r] = 1.f;
@@ -400,17 +379,16 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
       m_run[r] = mx[r];
       l_run[r] *= alpha[r];
     }
-    m_new[r] = m_run[r];
   }
 
-  // ---- P = exp2(s - m) -> shared memory (bf16); rescale O ---------------------------------
+  // ---- P = exp2(s - m) -> shared memory (bf16) ---------------------------------------------
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     float p[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       const int r = x >> 1;
-      p[x] = m_new[r] == -INFINITY ? 0.f : exp2f(s[j][x] - m_new[r]);
+      p[x] = m_run[r] == -INFINITY ? 0.f : exp2f(s[j][x] - m_run[r]);
       l_run[r] += p[x];
     }
     const int col = n0 + j * 8 + q4 * 2;  // entry within the tile
@@ -423,6 +401,15 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
                                  (col & 7) * 2) = hi;
   }
 }
+
+// Which work item a CTA runs (query token, group of 16R heads, split of the list: tiles
+// [tile_begin, tile_end), n of them) and where the thread sits in the warp layout. wgmma:
+// warpgroup cg = warp / 4 holds all 64 rows, warp rg = warp % 4 rows 16 rg.. of them.
+struct WorkItem {
+  int64_t t;
+  int head0, split, tile_begin, tile_end, n;
+  int lane, rg, cg, g, q4;
+};
 
 // 1 / (sum + exp(sink)) for a row with running max m (base 2) and sum l, or 0 when no key was
 // valid (l == 0): the output's normalisation, shared by the one-split store and the combine.
@@ -438,10 +425,10 @@ __device__ __forceinline__ float sink_logit(const KernelArgs& a, int h) {
 
 // The sink logits of this thread's two output rows, loaded when a work item starts so that the
 // epilogue does not wait for them.
-__device__ __forceinline__ void load_sinks(const KernelArgs& a, int head0, int rg, int g,
+__device__ __forceinline__ void load_sinks(const KernelArgs& a, const WorkItem& w,
                                            float (&sinks)[2]) {
-  sinks[0] = sink_logit(a, head0 + rg * 16 + g);
-  sinks[1] = sink_logit(a, head0 + rg * 16 + g + 8);
+  sinks[0] = sink_logit(a, w.head0 + w.rg * 16 + w.g);
+  sinks[1] = sink_logit(a, w.head0 + w.rg * 16 + w.g + 8);
 }
 
 // The end of a work item: the row sums are combined over the C warps of each row group, then
@@ -451,9 +438,9 @@ __device__ __forceinline__ void load_sinks(const KernelArgs& a, int head0, int r
 template <int kHeads, int OT, int C>
 __device__ __forceinline__ void store_outputs(float (&acc)[OT][4], float (&m_run)[2],
                                               float (&l_run)[2], float* sRed, uint8_t* stage,
-                                              int rg, int cg, int g, int q4, const KernelArgs& a,
-                                              int64_t t, int head0, int split,
+                                              const KernelArgs& a, const WorkItem& w,
                                               const float (&sinks)[2]) {
+  const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = w;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
@@ -531,7 +518,7 @@ struct Geom {
 
 template <int R, bool kFp8>
 struct Smem {
-  static constexpr int kHeads = 16 * R;
+  static constexpr int kHeads = Geom<R>::kHeads;
   static constexpr int kC = Geom<R>::C;
   // bf16 tiles: cp.async double buffer. FP8: rows wait in registers; dequantised into the other
   // of two tiles while the current one is used, except for 16 heads, where one tile (82 KB)
@@ -550,14 +537,6 @@ struct Smem {
   static_assert(R != 4 || (kK % 1024 == 0 && kP % 1024 == 0),
                 "wgmma operands must start on 1024-byte boundaries");
 };
-
-// Keeps the compiler from moving reads or writes of wgmma accumulators across the asm statements
-// that issue and wait for them (the registers are written asynchronously in between).
-template <int N>
-__device__ __forceinline__ void fence_operands(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
 
 // S = Q K^T for this warp's entries of the tile at k_base (all 512 dims); complete on return.
 // wgmma (64 heads): warpgroup cg computes a partial S over ALL 64 entries and dims 256 cg ..+256
@@ -586,7 +565,7 @@ __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_ba
     }
     wgmma::commit();
     wgmma::wait<0>();
-    fence_operands(full);
+    wgmma::fence_operands(full);
     // Give away the other warpgroup's 32 entries, take this one's from it.
     const int tid = threadIdx.x & 127;
     float4* mine = reinterpret_cast<float4*>(xchg) + cg * 4 * 128;
@@ -719,7 +698,7 @@ template <int R>
 __device__ __forceinline__ void pv_wait(float (&acc)[Geom<R>::OT][4]) {
   if constexpr (Geom<R>::kWgmma) {
     wgmma::wait<0>();
-    fence_operands(reinterpret_cast<float(&)[Geom<R>::OT * 4]>(acc[0][0]));
+    wgmma::fence_operands(reinterpret_cast<float(&)[Geom<R>::OT * 4]>(acc[0][0]));
   }
 }
 
@@ -773,15 +752,6 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
   return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
 }
 
-// Which work item a CTA runs (query token, group of 16R heads, split of the list: tiles
-// [tile_begin, tile_end), n of them) and where the thread sits in the warp layout. wgmma:
-// warpgroup cg = warp / 4 holds all 64 rows, warp rg = warp % 4 rows 16 rg.. of them.
-struct WorkItem {
-  int64_t t;
-  int head0, split, tile_begin, tile_end, n;
-  int lane, rg, cg, g, q4;
-};
-
 template <int R>
 __device__ __forceinline__ WorkItem work_item(const KernelArgs& a) {
   using G = Geom<R>;
@@ -832,9 +802,10 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] = smem_tiles<R, false>(smem_raw);
-  const auto [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = work_item<R>(a);
+  const WorkItem w = work_item<R>(a);
+  const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = w;
   float sinks[2];
-  load_sinks(a, head0, rg, g, sinks);
+  load_sinks(a, w, sinks);
 
   load_q<R>(a, t, head0, sQ);
 
@@ -894,8 +865,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
   }
   cp_async_wait<0>();
 
-  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, rg, cg, g, q4, a, t, head0,
-                                         split, sinks);
+  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, a, w, sinks);
 }
 
 // FP8 cache: each list entry's row goes global -> registers of the kP threads that own it one
@@ -914,10 +884,11 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   [[maybe_unused]] const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] =
       smem_tiles<R, true>(smem_raw);
-  const auto [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = work_item<R>(a);
+  const WorkItem w = work_item<R>(a);
+  const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = w;
   const int e = threadIdx.x / kP, q = threadIdx.x % kP;  // this thread's list entry and part
   float sinks[2];
-  load_sinks(a, head0, rg, g, sinks);
+  load_sinks(a, w, sinks);
 
   load_q<R>(a, t, head0, sQ);
   cp_async_commit();
@@ -980,8 +951,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
     __syncthreads();  // tile it+1 and its flags complete; everyone is done with tile it and P
   }
 
-  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, rg, cg, g, q4, a, t, head0,
-                                         split, sinks);
+  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, a, w, sinks);
 }
 
 // Merge the split partials of one (token, head) per warp, in split order.
