@@ -94,7 +94,7 @@ using TinyCfg = Cfg<F, 4, 1, 1, 1, F ? 7 : 6, 5>;
 template <bool F>
 using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
 
-// ---- PTX wrappers (the shared ones are in ptx.cuh) ------------------------------------------------------------------------------
+// ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 }
