@@ -36,6 +36,8 @@ from zeroinfer.testing import bench
 
 HIDDEN, INTER, EXPERTS, TOPK, LIMIT = 4096, 2048, 256, 6, 10.0
 CPU_EXPERTS = 16
+# The CUDA kernel's tile shapes (_C.mxfp4_cuda_tile picks one from the shapes).
+_TILE_NAMES = {1: "small", 2: "large", 3: "tiny", 4: "wgmma"}
 
 
 def torch_grouped(a, w, s, offsets, fuse, limit, out_dtype):
@@ -311,8 +313,8 @@ def cuda_main(args, quick: bool) -> None:
                         "gemm": name, "act": act, "tokens": tokens,
                         "routing": "skewed" if skew else "uniform", "experts": EXPERTS,
                         "active": active, "rows": m, "N": n, "K": k,
-                        "tile": ("large" if m // EXPERTS >= 96 else "tiny" if m // EXPERTS < 4
-                                 else "small"),
+                        "tile": _TILE_NAMES[_C.mxfp4_cuda_tile(act == "fp8", False, m, EXPERTS,
+                                                               0, 0)],
                         "weight_bytes": weight_bytes, "act_bytes": act_bytes,
                         "out_bytes": out_bytes,
                         **bench.roofline_row(seconds=t, bytes_moved=weight_bytes + act_bytes

@@ -44,7 +44,7 @@ for T, H, K, K2, fmt in [(1, 64, 200, 77, "fp8"), (40, 16, 130, 0, "bf16"), (3, 
     q = torch.randn(T, H, 512, generator=gen).to("cuda", torch.bfloat16)
     sparse_mla_attention(q, kv.cuda(), idx.cuda(), 0.05, attn_sink=torch.randn(H).cuda(), **extra)
 
-# MXFP4 grouped GEMM: both activation types, both layouts, both tile shapes, fused SwiGLU, padding
+# MXFP4 grouped GEMM: both activation types, both layouts, three tile shapes, fused SwiGLU, padding
 # rows / k tails, an empty expert and rows owned by nobody.
 import zeroinfer.ops.moe_gemm as _mg  # noqa: E402
 from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
@@ -64,12 +64,14 @@ s8 = torch.randint(115, 135, (E, N, K8 // 32), generator=gen, dtype=torch.uint8)
 p8 = mxfp4_prepack(w8, s8, fuse_swiglu=True, act_dtype=torch.float8_e4m3fn)
 x8 = torch.randn(E, 21, K8, generator=gen).to("cuda", torch.float8_e4m3fn)
 sc8 = torch.rand(E, 21, K8 // 128, generator=gen).cuda()
-for tile in (1, 2):
+for tile in (1, 2, 4):  # 4: the wgmma tile (bf16 only)
     _mg._FORCE_TILE = tile
     for f in (False, True):
         mxfp4_grouped_gemm(x16, packs[f], None, expert_offsets=off, expert_counts=cnt,
                            fuse_swiglu=f, swiglu_limit=7.0 if f else None)
     mxfp4_grouped_gemm(x3, packs[False], None, masked_m=mm, out_dtype=torch.float32)
+    if tile == 4:
+        continue
     mxfp4_grouped_gemm(x8, p8, None, masked_m=mm, a_scale=sc8, fuse_swiglu=True)
     mxfp4_grouped_gemm(x8.reshape(E * 21, K8), p8, None, expert_offsets=torch.arange(
         0, 106, 21, dtype=torch.int32, device="cuda"), a_scale=sc8.reshape(E * 21, -1),

@@ -24,12 +24,14 @@
 //
 // Tiles: a CTA computes BN weight rows x BM tokens of one expert over the whole K (no split-K, so
 // no cross-CTA reduction), with a kStages-deep cp.async pipeline of BK = 128 (weights, tokens and
-// the float8 scales of that k block). Three shapes, chosen on the host from the shapes only:
+// the float8 scales of that k block). Four shapes, chosen from the shapes only (mxfp4_cuda_tile):
 //   tiny:  4 warps x (16 rows x 8 tokens) = 64 x 8     (decode, < 4 rows per expert on average:
 //          88-92 registers and a small activation stage, so 5 CTAs / 20 warps per SM)
 //   small: 4 warps x (16 rows x 32 tokens) = 64 x 32   (decode; n8 steps past the expert's rows
 //          are skipped, so 1..8 tokens cost one mma per weight fragment)
-//   large: 8 warps as 4 (N) x 2 (M), warp tile 64 x 64 = 256 x 128 (prefill)
+//   large: 8 warps as 4 (N) x 2 (M), warp tile 64 x 64 = 256 x 128 (prefill, float8)
+//   wgmma: 2 warpgroups x 64 rows x 128 tokens on wgmma (prefill, bf16; see WgCfg), whose k16
+//          reduction gives bitwise the results of the mma.sync tiles (tested)
 // Persistent grid: each CTA builds the per-expert tile prefix ON THE DEVICE from the offsets /
 // counts / masked_m (no host sync), then walks the work items (tile slot, N tile) with a grid
 // stride; slots past the device-computed total exit. Rows of a tile past the expert's count are
@@ -45,6 +47,7 @@
 #include "block_scan.cuh"
 #include "check.cuh"
 #include "ptx.cuh"
+#include "wgmma.cuh"
 #include "zeroinfer/moe_gemm.h"
 #include "zeroinfer/numeric.h"
 
@@ -60,6 +63,7 @@ static_assert(kMxfp4PackK % kBK == 0, "packed k must be whole stages");
 
 template <bool kFp8_, int kWarpsN, int kWarpsM, int kWN, int kWT, int kStages, int kMinBlocks>
 struct Cfg {
+  static constexpr bool wgmma = false;
   static constexpr bool fp8 = kFp8_;
   static constexpr int warps_n = kWarpsN;
   static constexpr int wn = kWN;  // 16-row strips per warp
@@ -76,6 +80,7 @@ struct Cfg {
   static constexpr int a_bytes = bm * a_pitch;
   static constexpr int s_bytes = fp8 ? bm * 4 : 0;
   static constexpr int stage_bytes = w_bytes + a_bytes + s_bytes;
+  static constexpr int pipe_bytes = kStages * stage_bytes;  // the schedule arrays follow
   static constexpr int chunks_per_row = fp8 ? kBK / 16 : kBK * 2 / 16;
   static constexpr int w_chunks = (strips * kStripChunks + threads - 1) / threads;
   static_assert(stage_bytes % 16 == 0, "stage must keep 16-byte alignment");
@@ -93,6 +98,43 @@ template <bool F>
 using TinyCfg = Cfg<F, 4, 1, 1, 1, F ? 7 : 6, 5>;
 template <bool F>
 using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
+
+
+// wgmma tile (bf16 activations, prefill; tile = 4): two warpgroups x 64 weight rows (warp w of
+// warpgroup cw owns packed strip 4 cw + w) x 128 tokens. Weights are the wgmma A operand taken
+// from registers (the RS form): a warp's RS fragment is the mma.m16n8k16 A fragment of its 16
+// rows, i.e. exactly what decode_bf16_raw and the scale multiplies give from the lane's
+// prepacked word, whose k order is the prepack's k-slot order (slot pair q of a 16-k group holds
+// real pair 0,2,4,6,1,3,5,7). Tokens are the B operand from shared memory (K-major, 128-byte
+// swizzle) and must be in that same order: the caller passes the activations with each 16-k
+// group's bf16 pairs permuted so (a_kslot_order; zeroinfer.ops does it in one pass), which lets
+// the B tiles travel by 16-byte cp.async in the same ring as the weights.
+struct WgCfg {
+  static constexpr bool wgmma = true;
+  static constexpr int threads = 256;
+  static constexpr int strips = 8;        // 128 weight rows per CTA tile
+  static constexpr int bm = 128;          // tokens per CTA tile (wgmma N)
+  // cp.async ring of (weights, B tile) stages, loaded `ahead` stages ahead. The slot refilled
+  // at stage kt was read at stage kt + ahead - stages: with ahead = stages - 1 that is the stage
+  // just before, whose last wgmma the warpgroups wait for (wait<0>) before the stage's barrier;
+  // with fewer ahead it was retired by the wait<1> of the stage before, and the tensor cores
+  // never drain. Two CTAs share an SM (128 registers, two 41 KB stages each) and cover each
+  // other's drains.
+  static constexpr int stages = 2;
+  static constexpr int ahead = 1;
+  static constexpr int min_blocks = 2;
+  static constexpr int w_bytes = strips * kStripStage;
+  static constexpr int b_bytes = bm * kBK * 2;  // one B tile: 2 panels of 64 k x 128 tokens
+  // A stage: the B tile first (1024-aligned for the swizzle), then the weights.
+  static constexpr int stage_bytes = (b_bytes + w_bytes + 1023) / 1024 * 1024;
+  // +1024: the dynamic shared window is aligned to 1024 bytes inside the kernel.
+  static constexpr int pipe_bytes = stages * stage_bytes + 1024;
+  static_assert(kBK == 128, "two 64-k panels a stage");
+  static_assert(min_blocks * (pipe_bytes + (3 * kMxfp4CudaMaxExperts + 1) * 4 + 1024) <=
+                    228 * 1024,
+                "shared memory budget (ring + the largest schedule, min_blocks CTAs an SM)");
+  static_assert(ahead >= 1 && ahead < stages, "loads ahead within the ring");
+};
 
 // ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -336,13 +378,40 @@ __device__ __forceinline__ float swiglu(float gt, float up, bool has_limit, floa
   return gt / (1.f + expf(-gt)) * up;
 }
 
+// One C fragment (16 weight rows of packed strip `strip` x tokens tok, tok + 1 of the tile; c0 /
+// c1: row g, c2 / c3: row g + 8) to the output: SwiGLU pairs (gate row g, up row g + 8 of a
+// gate/up-interleaved strip) or plain rows; rows past n_out and tokens past tile_rows dropped.
+__device__ __forceinline__ void store_fragment(const Mxfp4CudaGemmParams& p, bool out_bf16,
+                                               int n_out, int strip, int g, int tok,
+                                               int tile_row0, int tile_rows, const float* c) {
+  if (p.fuse_swiglu) {
+    const int col = strip * 8 + g;  // gate row col (c0, c1), up row n/2 + col (c2, c3)
+    if (col < n_out) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (tok + u < tile_rows)
+          store_out(p.out, out_bf16, static_cast<int64_t>(tile_row0 + tok + u) * n_out + col,
+                    swiglu(c[u], c[2 + u], p.has_swiglu_limit, p.swiglu_limit));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int col = strip * 16 + g + (x >> 1) * 8;
+      const int tk = tok + (x & 1);
+      if (col < n_out && tk < tile_rows)
+        store_out(p.out, out_bf16, static_cast<int64_t>(tile_row0 + tk) * n_out + col, c[x]);
+    }
+  }
+}
+
 // ---- the kernel --------------------------------------------------------------------------------
 template <class C>
 __global__ void __launch_bounds__(C::threads, C::min_blocks)
     mxfp4_moe_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int E = static_cast<int>(p.num_experts);
-  int* s_prefix = reinterpret_cast<int*>(smem + C::stages * C::stage_bytes);
+  int* s_prefix = reinterpret_cast<int*>(smem + C::pipe_bytes);
   int* s_row0 = s_prefix + (E + 1);
   int* s_cnt = s_row0 + E;
   build_schedule<C>(p, s_prefix, s_row0, s_cnt);
@@ -513,34 +582,187 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     if (warp_active) {
 #pragma unroll
       for (int i = 0; i < C::wn; ++i) {
-        const int strip = strip0 + warp_n * C::wn + i;  // packed 16-row block
 #pragma unroll
         for (int j = 0; j < C::wt; ++j) {
-          if (j >= nj) continue;
-          const int tok = warp_tok0 + j * 8 + 2 * t;  // tile-local token of c0 / c2
-          if (p.fuse_swiglu) {
-            const int col = strip * 8 + g;  // gate row col (c0, c1), up row n/2 + col (c2, c3)
-            if (col < n_out) {
-#pragma unroll
-              for (int u = 0; u < 2; ++u) {
-                if (tok + u < tile_rows)
-                  store_out(p.out, out_bf16,
-                            static_cast<int64_t>(tile_row0 + tok + u) * n_out + col,
-                            swiglu(acc[i][j][u], acc[i][j][2 + u], p.has_swiglu_limit,
-                                   p.swiglu_limit));
-              }
-            }
-          } else {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              const int col = strip * 16 + g + (c >> 1) * 8;
-              const int tk = tok + (c & 1);
-              if (col < n_out && tk < tile_rows)
-                store_out(p.out, out_bf16, static_cast<int64_t>(tile_row0 + tk) * n_out + col,
-                          acc[i][j][c]);
-            }
-          }
+          if (j < nj)  // tile-local tokens warp_tok0 + 8 j + 2 t (+1)
+            store_fragment(p, out_bf16, n_out, strip0 + warp_n * C::wn + i, g,
+                           warp_tok0 + j * 8 + 2 * t, tile_row0, tile_rows, acc[i][j]);
         }
+      }
+    }
+  }
+}
+
+// ---- the wgmma tile ----------------------------------------------------------------------------
+
+template <class C>
+__global__ void __launch_bounds__(C::threads, C::min_blocks)
+    mxfp4_moe_wgmma_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
+  // (128-byte declared alignment like the other kernels of this file, which share the extern
+  // array's alignment; the 128-byte swizzle needs 1024, so the window is aligned by hand.)
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const int E = static_cast<int>(p.num_experts);
+  // The schedule arrays sit after the (aligned) pipeline: pipe_bytes includes the 1024 slack.
+  int* s_prefix = reinterpret_cast<int*>(smem_raw + C::pipe_bytes);
+  int* s_row0 = s_prefix + (E + 1);
+  int* s_cnt = s_row0 + E;
+  build_schedule<C>(p, s_prefix, s_row0, s_cnt);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sidx = warp;  // warpgroup cw = warp / 4 owns strips 4 cw .. 4 cw + 3
+  const int g = lane >> 2, t = lane & 3;
+  const int strips_total = static_cast<int>(p.n_pad / 16);
+  const int n_tiles = (strips_total + C::strips - 1) / C::strips;
+  const int64_t items = static_cast<int64_t>(s_prefix[E]) * n_tiles;
+  const int k = static_cast<int>(p.k);
+  const int kt_total = static_cast<int>(p.k_pad / kBK);
+  const int64_t kb_total = p.k_pad / 64;
+  const bool out_bf16 = p.out_dtype == DType::kBFloat16;
+  const bool wide = p.wide_scales;
+  const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
+  // B tile copies: thread tid owns 16-byte chunk bc of token rows brow + 16 u, u = 0..7; the
+  // swizzled position of the chunk is the same in each of them (row % 8 is fixed).
+  const int bc = tid & 15, brow = tid >> 4;
+  constexpr int kBRowStep = C::threads / 16;
+  constexpr int kBUnits = C::bm / kBRowStep;  // 8
+  const uint32_t b_dst0 =
+      (bc >> 3) * (C::bm * 128) + brow * 128 + (((bc & 7) ^ (brow & 7)) << 4);
+
+#pragma unroll 1
+  for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
+    const int slot = static_cast<int>(it / n_tiles);
+    const int nt = static_cast<int>(it - static_cast<int64_t>(slot) * n_tiles);
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (s_prefix[mid] <= slot)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int e = lo;
+    const int mt = slot - s_prefix[e];
+    const int tile_row0 = s_row0[e] + mt * C::bm;
+    const int tile_rows = min(C::bm, s_cnt[e] - mt * C::bm);
+    const int strip0 = nt * C::strips;
+    const int strips_valid = min(C::strips, strips_total - strip0);
+    const bool strip_active = sidx < strips_valid;
+    const uint8_t* wtile =
+        p.w_packed + (static_cast<int64_t>(e) * strips_total + strip0) * kb_total * kBlk;
+    const __nv_bfloat16* atile = static_cast<const __nv_bfloat16*>(p.a) +
+                                 static_cast<int64_t>(tile_row0) * k;
+
+    // Stage kt of the ring slot: the weights of this tile's strips and the B tile (rows past
+    // the tile are not copied: they only feed output columns that are discarded; k past the
+    // end is zero-filled, since it would feed every column).
+    const char* b_src0 = reinterpret_cast<const char*>(atile + static_cast<int64_t>(brow) * k) +
+                         bc * 16;
+    auto load_stage = [&](int slot_idx, int kt) {
+      uint8_t* st = smem + slot_idx * C::stage_bytes;
+      const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
+      for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
+        const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
+        if (i < strips_valid)
+          cp_async16(smem_u32(st + C::b_bytes + i * kStripStage + off),
+                     wk + static_cast<int64_t>(i) * kb_total * kBlk + off, true);
+      }
+      const bool kvalid = kt * kBK + bc * 8 < k;
+      const uint32_t bdst = smem_u32(st) + b_dst0;
+      const char* bsrc = b_src0 + kt * (kBK * 2);
+#pragma unroll
+      for (int u = 0; u < kBUnits; ++u) {
+        if (brow + u * kBRowStep < tile_rows)
+          cp_async16(bdst + u * kBRowStep * 128,
+                     kvalid ? bsrc + static_cast<int64_t>(u) * kBRowStep * k * 2 : p.a, kvalid);
+      }
+    };
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+
+    // Prologue: stages 0 .. ahead-1 in flight.
+#pragma unroll 1
+    for (int st = 0; st < C::ahead; ++st) {
+      if (st < kt_total) load_stage(st, st);
+      cp_async_commit();
+    }
+
+    int rd_slot = 0, wr_slot = C::ahead;
+    // One k stage = 8 k16 steps, one wgmma group each. Step s's A fragment is decoded (SIMT)
+    // into register set s & 1 while step s-1's wgmma runs; wait<1> after each issue retires the
+    // group that read the set the next decode overwrites (and, at a stage's last step, every
+    // group of the stage before). The wgmma of a stage's last step is still running when the
+    // next stage starts.
+    uint32_t a[2][4];
+#pragma unroll 1
+    for (int kt = 0; kt < kt_total; ++kt) {
+      if constexpr (C::ahead == C::stages - 1) wgmma::wait<0>();
+      cp_async_wait<C::ahead - 1>();
+      // This thread's copies of stage kt landed -> visible to the tensor cores' async proxy,
+      // then everyone's (the barrier, which also orders every warpgroup's retirement of stage
+      // kt-2 before the refill of its slot below).
+      wgmma::fence_proxy_async();
+      __syncthreads();
+      const int nk = kt + C::ahead;
+      if (nk < kt_total) load_stage(wr_slot, nk);
+      cp_async_commit();
+      const uint8_t* stage_base = smem + rd_slot * C::stage_bytes;
+      const uint8_t* wst = stage_base + C::b_bytes + sidx * kStripStage;
+      const uint32_t b_base = smem_u32(stage_base);
+      wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
+      rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
+
+      uint4 wq[2];
+      uint32_t m1[2][4], m2[2][4];
+#pragma unroll
+      for (int kb = 0; kb < 2; ++kb) {
+        const uint8_t* blk = wst + kb * kBlk;
+        wq[kb] = *reinterpret_cast<const uint4*>(blk + lane * 16);
+        bf16_multipliers(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), wide, m1[kb],
+                         m2[kb]);
+        // A strip past the weight rows decodes stale shared memory: its output rows are
+        // discarded, and a zero multiplier keeps them finite.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) m1[kb][i] = strip_active ? m1[kb][i] : 0u;
+      }
+#pragma unroll
+      for (int step = 0; step < 8; ++step) {  // step = real 16-k group of the stage
+        const int kb = step >> 2, s2 = (step >> 1) & 1, h = step & 1;
+        uint32_t(&f)[4] = a[step & 1];
+        decode_bf16_raw(word_of(wq[kb], 2 * s2 + h), f);
+        f[0] = bf16x2_mul(f[0], m1[kb][s2]);
+        f[1] = bf16x2_mul(f[1], m1[kb][2 + s2]);
+        f[2] = bf16x2_mul(f[2], m1[kb][s2]);
+        f[3] = bf16x2_mul(f[3], m1[kb][2 + s2]);
+        if (wide) {
+          f[0] = bf16x2_mul(f[0], m2[kb][s2]);
+          f[1] = bf16x2_mul(f[1], m2[kb][2 + s2]);
+          f[2] = bf16x2_mul(f[2], m2[kb][s2]);
+          f[3] = bf16x2_mul(f[3], m2[kb][2 + s2]);
+        }
+        uint64_t desc[1] = {
+            wgmma::desc_sw128(b_base + (step >> 2) * (C::bm * 128) + (step & 3) * 32, 16, 1024)};
+        wgmma::fence_operands(f);
+        wgmma::fence_operands(desc);
+        wgmma::fence();
+        wgmma::wgmma_m64n128k16_bf16_rs(acc, f, desc[0]);
+        wgmma::commit();
+        wgmma::wait<1>();
+      }
+    }
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc);
+    cp_async_wait<0>();
+    __syncthreads();  // the next item's prologue overwrites every stage and B tile
+
+    if (strip_active) {
+      const int nj = (tile_rows + 7) / 8;
+#pragma unroll
+      for (int j = 0; j < C::bm / 8; ++j) {
+        if (j < nj)
+          store_fragment(p, out_bf16, n_out, strip0 + sidx, g, j * 8 + 2 * t, tile_row0,
+                         tile_rows, acc + 4 * j);
       }
     }
   }
@@ -553,6 +775,11 @@ int64_t schedule_smem_bytes(int64_t num_experts) { return (3 * num_experts + 1) 
 
 template <class C>
 void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
+  void (*kernel)(const Mxfp4CudaGemmParams);
+  if constexpr (C::wgmma)
+    kernel = mxfp4_moe_wgmma_kernel<C>;
+  else
+    kernel = mxfp4_moe_kernel<C>;
   const int64_t E = p.num_experts;
   const int64_t n_tiles = (p.n_pad / 16 + C::strips - 1) / C::strips;
   const int64_t tiles_bound = p.masked_m != nullptr
@@ -564,7 +791,7 @@ void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   int dev = 0;
   ZI_CUDA_CHECK(cudaGetDevice(&dev));
   ZI_CHECK(dev >= 0 && dev < kMaxDevices, "device index out of range");
-  const int smem = static_cast<int>(C::stages * C::stage_bytes + schedule_smem_bytes(E));
+  const int smem = static_cast<int>(C::pipe_bytes + schedule_smem_bytes(E));
   static std::mutex mu;
   static int sm_count[kMaxDevices] = {};
   static int64_t occ_key[kMaxDevices] = {};  // E + 1 the occupancy was computed for (0: none)
@@ -574,14 +801,14 @@ void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mu);
     if (sm_count[dev] == 0) {
       ZI_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
-      const int max_smem = static_cast<int>(C::stages * C::stage_bytes +
+      const int max_smem = static_cast<int>(C::pipe_bytes +
                                             schedule_smem_bytes(kMxfp4CudaMaxExperts));
-      ZI_CUDA_CHECK(cudaFuncSetAttribute(mxfp4_moe_kernel<C>,
+      ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
     }
     if (occ_key[dev] != E + 1) {
       ZI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &occ_val[dev], mxfp4_moe_kernel<C>, C::threads, smem));
+          &occ_val[dev], kernel, C::threads, smem));
       occ_key[dev] = E + 1;
     }
     blocks_per_sm = std::max(occ_val[dev], 1);
@@ -589,7 +816,7 @@ void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   }
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(items_bound,
                                                               int64_t{sms} * blocks_per_sm));
-  mxfp4_moe_kernel<C><<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
+  kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
   ZI_CUDA_CHECK_LAUNCH("mxfp4_moe_kernel");
 }
 
@@ -624,17 +851,14 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
   ZI_CHECK(masked ? (p.cap >= 0 && p.num_experts * p.cap < (int64_t{1} << 31))
                   : (p.m >= 0 && p.m < (int64_t{1} << 31)),
            "row count out of the CUDA kernel's int32 range");
-  ZI_CHECK(p.tile >= 0 && p.tile <= 3,
-           "tile must be 0 (auto), 1 (small), 2 (large) or 3 (tiny)");
-  // From the shapes only (never from device values): the tiny tile while an active expert holds
-  // <= 8 rows on average (contiguous: m / E < 4 rows per expert, i.e. <= ~170 tokens of
-  // V4-Flash top-6 / 256; masked: cap <= 8), the large one from 96 rows per expert.
-  const int64_t rows_per_expert = masked ? p.cap : p.m / p.num_experts;
-  int tile = p.tile;
-  if (tile == 0) {
-    const bool tiny = masked ? p.cap <= 8 : rows_per_expert < 4;
-    tile = rows_per_expert >= 96 ? 2 : tiny ? 3 : 1;
-  }
+  ZI_CHECK(p.tile >= 0 && p.tile <= 4,
+           "tile must be 0 (auto), 1 (small), 2 (large), 3 (tiny) or 4 (wgmma, bf16 only)");
+  ZI_CHECK(p.tile != 4 || p.a_dtype == DType::kBFloat16,
+           "tile 4 (wgmma) takes bfloat16 activations only");
+  const int tile = mxfp4_cuda_tile(p.a_dtype == DType::kFloat8E4M3, masked, p.m, p.num_experts,
+                                   p.cap, p.tile);
+  ZI_CHECK(p.a_kslot_order == (tile == 4),
+           "activations in k-slot order go with tile 4 (the wgmma tile), and only with it");
   auto s = static_cast<cudaStream_t>(stream);
   if (p.a_dtype == DType::kFloat8E4M3) {
     if (tile == 2)
@@ -644,7 +868,9 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
     else
       launch<SmallCfg<true>>(p, s);
   } else {
-    if (tile == 2)
+    if (tile == 4)
+      launch<WgCfg>(p, s);
+    else if (tile == 2)
       launch<LargeCfg<false>>(p, s);
     else if (tile == 3)
       launch<TinyCfg<false>>(p, s);

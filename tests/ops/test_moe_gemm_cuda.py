@@ -235,6 +235,39 @@ def test_emulated_bf16_wide_and_narrow_agree(gen):
     assert torch.equal(emulate_bf16_weights(narrow), emulate_bf16_weights(wide))
 
 
+@pytest.mark.parametrize("shape", [(5, 64), (3, 7, 2048)])
+def test_kslot_order_matches_the_fragment_k_map(gen, shape):
+    """The wgmma tile reads tokens as B from shared memory in the MMA's logical k order, so the
+    op layer hands it the activations in that order (mg._kslot_order): logical k kl of every
+    16-k group must hold the real k that the emulated decode above maps kl to."""
+    a = torch.randn(*shape, generator=gen).bfloat16()
+    got = mg._kslot_order(a)
+    assert got.shape == a.shape and got.is_contiguous()
+    real = []
+    for kl in range(16):
+        tq, i = divmod(kl % 8, 2)
+        real.append(4 * tq + (2 if kl >= 8 else 0) + i)
+    k = shape[-1]
+    src = (torch.arange(k // 16)[:, None] * 16 + torch.tensor(real)[None, :]).reshape(-1)
+    assert torch.equal(got, a[..., src])
+
+
+def test_cuda_tile_choice():
+    """The tile the kernel runs (one rule, in C++, used by the op layer and the launcher): tiny
+    decode tile below 4 rows per expert (masked: cap <= 8), small tile up to 95, from 96 the
+    wgmma tile for bf16 and the large mma.sync tile for float8; a requested tile is kept."""
+    rule = _C.mxfp4_cuda_tile
+    assert rule(fp8=False, masked=False, m=3 * 256, num_experts=256, cap=0, requested=0) == 3
+    assert rule(fp8=False, masked=False, m=4 * 256, num_experts=256, cap=0, requested=0) == 1
+    assert rule(fp8=False, masked=False, m=95 * 256, num_experts=256, cap=0, requested=0) == 1
+    assert rule(fp8=False, masked=False, m=96 * 256, num_experts=256, cap=0, requested=0) == 4
+    assert rule(fp8=True, masked=False, m=96 * 256, num_experts=256, cap=0, requested=0) == 2
+    assert rule(fp8=False, masked=True, m=0, num_experts=8, cap=8, requested=0) == 3
+    assert rule(fp8=True, masked=True, m=0, num_experts=8, cap=9, requested=0) == 1
+    assert rule(fp8=False, masked=True, m=0, num_experts=8, cap=128, requested=0) == 4
+    assert rule(fp8=False, masked=False, m=10, num_experts=256, cap=0, requested=2) == 2
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_emulated_e4m3_decode_is_exact(gen, fuse):
     E, N, K = 2, 48, 256
@@ -299,11 +332,16 @@ DEV = torch.device("cuda")
 
 @pytest.fixture
 def tile(request):
-    """Run the kernel with a forced tile shape (1 small-M, 2 large-M, 3 tiny-M), restoring auto
-    after."""
+    """Run the kernel with a forced tile shape (1 small-M, 2 large-M, 3 tiny-M, 4 wgmma for bf16
+    activations), restoring auto after."""
     old = mg._FORCE_TILE
     yield lambda v: setattr(mg, "_FORCE_TILE", v)
     mg._FORCE_TILE = old
+
+
+def _tiles(dtype):
+    """Every tile shape the activation dtype can run (the wgmma tile is bf16 only)."""
+    return (1, 2, 3, 4) if dtype == torch.bfloat16 else (1, 2, 3)
 
 
 def _to(x):
@@ -384,12 +422,14 @@ def check_vs_ref(got, c, out_dtype, what):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_shape", [1, 2, 3])
+@pytest.mark.parametrize("tile_shape", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mode", ["plain", "swiglu", "swiglu_limit"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 def test_cuda_matches_reference(gen, tile, dtype, masked, mode, out_dtype, tile_shape):
+    if tile_shape == 4 and dtype == FP8:
+        pytest.skip("the wgmma tile takes bf16 activations")
     tile(tile_shape)
     c = make_case(gen, E=6, N=192, K=384, dtype=dtype, masked=masked, mode=mode)
     got = run_cuda(c, out_dtype=out_dtype)
@@ -404,7 +444,7 @@ def test_cuda_shapes(gen, tile, dtype, N, K, fuse):
     """Odd N (padding rows / halves not a multiple of 8), K not a multiple of the 128 stage."""
     if dtype == FP8 and K % 128:
         K = 128 * (K // 128 + 1)
-    for t in (1, 2, 3):
+    for t in _tiles(dtype):
         tile(t)
         c = make_case(gen, E=4, N=N, K=K, dtype=dtype, masked=False,
                       mode="swiglu_limit" if fuse else "plain")
@@ -427,7 +467,7 @@ def test_cuda_routing(gen, tile, dtype, masked, routing):
         counts = rand_counts(gen, E, 50, empty=5)
     elif routing == "many":
         counts = [int(v) for v in torch.randint(100, 200, (E,), generator=gen)]
-    for t in (1, 2, 3):
+    for t in _tiles(dtype):
         tile(t)
         c = make_case(gen, E=E, N=128, K=256, dtype=dtype, masked=masked, counts=counts,
                       cap=max(counts + [1]) + 3, mode="swiglu")
@@ -450,6 +490,10 @@ def test_cuda_tiles_and_batches_bitwise_equal(gen, tile, dtype):
     assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), "tile 1 vs tile 2"
     assert torch.equal(outs[0].view(torch.int32), outs[2].view(torch.int32)), "tile 1 vs tile 3"
     assert torch.equal(outs[0].view(torch.int32), outs[3].view(torch.int32)), "not deterministic"
+    if dtype == torch.bfloat16:  # the wgmma tile: same k16 steps in the same order
+        tile(4)
+        wg = run_cuda(c, out_dtype=torch.float32, check=False)
+        assert torch.equal(outs[0].view(torch.int32), wg.view(torch.int32)), "tile 1 vs tile 4"
     # expert 3's rows alone (everything else empty), at a different row offset
     off = c["layout"]["expert_offsets"]
     lo, hi = int(off[3]), int(off[4])

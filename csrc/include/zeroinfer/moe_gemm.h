@@ -103,11 +103,28 @@ struct Mxfp4CudaGemmParams {
   bool fuse_swiglu = false;
   bool has_swiglu_limit = false;
   float swiglu_limit = 0.f;
-  // 0: choose the tile from the shapes (never from device values); 1: small-M tile (64 weight rows
-  // x 32 tokens, decode); 2: large-M tile (256 x 128); 3: tiny-M tile (64 x 8, decode with <= 8
-  // rows per expert: 5 CTAs per SM). Every tile gives bitwise the same result.
+  // 0: choose the tile from the shapes (mxfp4_cuda_tile); 1: small-M tile (64 weight rows x 32
+  // tokens, decode); 2: large-M tile (256 x 128, mma.sync); 3: tiny-M tile (64 x 8, decode with
+  // <= 8 rows per expert: 5 CTAs per SM); 4: wgmma tile (128 x 128, bf16 activations, prefill).
+  // Every tile gives bitwise the same result.
   int tile = 0;
+  // The activations' 16-k groups hold their bf16 pairs in the packed weights' k-slot order
+  // (slot pair q <- real pair 0,2,4,6,1,3,5,7): required by tile 4, refused by the others.
+  bool a_kslot_order = false;
 };
+
+// The tile the CUDA kernel runs for a requested tile (0 = choose), from the shapes only (never
+// from device values): for float8 activations the large mma.sync tile from 96 rows per expert,
+// for bf16 the wgmma tile; the tiny tile while an active expert holds <= 8 rows on average
+// (contiguous: m / E < 4 rows per expert, i.e. <= ~170 tokens of V4-Flash top-6 / 256; masked:
+// cap <= 8); the small tile otherwise.
+inline int mxfp4_cuda_tile(bool fp8, bool masked, int64_t m, int64_t num_experts, int64_t cap,
+                           int requested) {
+  if (requested != 0) return requested;
+  const int64_t rows_per_expert = masked ? cap : m / (num_experts > 0 ? num_experts : 1);
+  if (rows_per_expert >= 96) return fp8 ? 2 : 4;
+  return (masked ? cap <= 8 : rows_per_expert < 4) ? 3 : 1;
+}
 
 // Largest num_experts the CUDA kernel takes (its per-CTA schedule lives in shared memory).
 constexpr int64_t kMxfp4CudaMaxExperts = 2048;

@@ -30,10 +30,20 @@ def _name(d: torch.dtype) -> str:
 
 
 _INT32_LIMIT = 2**31
-# Tile shape of the CUDA kernel: 0 = chosen from the shapes, 1 = small-M, 2 = large-M, 3 = tiny-M
-# (decode, <= 8 rows per expert per tile). Tests set it to run every shape on the same inputs
-# (every shape gives bitwise the same result).
+# Tile shape of the CUDA kernel: 0 = chosen from the shapes (_C.mxfp4_cuda_tile), 1 = small-M,
+# 2 = large-M (mma.sync), 3 = tiny-M (decode, <= 8 rows per expert per tile), 4 = wgmma (bf16
+# activations, prefill). Tests set it to run every shape on the same inputs (every shape gives
+# bitwise the same result).
 _FORCE_TILE = 0
+
+
+def _kslot_order(a: torch.Tensor) -> torch.Tensor:
+    """The activations with each 16-k group's bf16 pairs in the packed weights' k-slot order
+    (slot pair q <- real pair 0,2,4,6,1,3,5,7), as the wgmma tile reads them: its token tiles
+    then travel by plain 16-byte copies (one pass over ``a`` instead of a register shuffle in
+    every CTA that reads the tile)."""
+    k = a.shape[-1]
+    return a.unflatten(-1, (k // 16, 4, 2, 2)).transpose(-3, -2).flatten(-4).contiguous()
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,12 +285,16 @@ def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
 def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_rows, cap, k,
                  fuse, limit) -> None:
     dev = a.device
-    if a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
+    tile = _C.mxfp4_cuda_tile(a.dtype == _FP8, masked_m is not None, m_rows, num_experts, cap,
+                              _FORCE_TILE)
+    if tile == 4:
+        a = _kslot_order(a)
+    elif a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
         a = a.clone()
     args = (ptr(a), dtype_code(a), ptr(a_scale), ptr(pw.data), pw.n_pad, pw.k_pad,
             pw.fuse_swiglu, pw.act_dtype == _FP8, pw.wide_scales, ptr(offsets), ptr(counts),
             ptr(masked_m), ptr(out),
-            dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, _FORCE_TILE)
+            dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, tile, tile == 4)
     if dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
             _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev))

@@ -1,0 +1,49 @@
+"""A/B of the MXFP4 grouped GEMM's tile shapes on the H200 for bf16 activations at V4-Flash
+expert shapes: the mma.sync large tile (2) against the wgmma tile (4), each checked against the
+other (relative error) and timed (CUDA-graph replay, L2 flushed), with TFLOP/s and the fraction
+of the bf16 peak measured in the same run.
+
+  python3 bench/ab_moe_tile.py [tokens ...]      (default 2048 8192; uniform and skewed routing)
+"""
+
+import sys
+
+import torch
+
+sys.path.insert(0, "bench")
+from bench_moe_gemm import EXPERTS, HIDDEN, INTER, LIMIT, make_weights, routing_offsets  # noqa: E402
+
+import zeroinfer.ops.moe_gemm as mg  # noqa: E402
+from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
+from zeroinfer.testing import bench  # noqa: E402
+
+tokens_list = [int(a) for a in sys.argv[1:]] or [2048, 8192]
+ceil = bench.measure_cuda_ceilings()
+peak = ceil["bf16_flops_per_s"]
+gen = torch.Generator().manual_seed(0)
+dgen = torch.Generator(device="cuda").manual_seed(1)
+for name, (n, k, fuse) in {"gate_up": (2 * INTER, HIDDEN, True), "down": (HIDDEN, INTER, False)}.items():
+    w, s = make_weights(EXPERTS, n, k, dgen)
+    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=torch.bfloat16)
+    for tokens in tokens_list:
+        for skew in (False, True):
+            offsets = routing_offsets(tokens, EXPERTS, skew, gen).cuda()
+            m = int(offsets[-1])
+            a = (torch.randn(m, k, generator=dgen, device="cuda") * 0.5).bfloat16()
+            run = lambda: mxfp4_grouped_gemm(a, pw, None, expert_offsets=offsets,  # noqa: E731
+                                             fuse_swiglu=fuse, swiglu_limit=LIMIT if fuse else None)
+            res = {}
+            for tile in (1, 2, 4):
+                mg._FORCE_TILE = tile
+                out = run().float()
+                t = bench.time_cuda_graph(run, warmup=3, reps=20)
+                res[tile] = (out, t)
+            mg._FORCE_TILE = 0
+            ref = res[2][0]
+            err = float((res[4][0] - ref).norm() / ref.norm().clamp(min=1e-30))
+            same = torch.equal(res[4][0], ref) and torch.equal(res[1][0], ref)
+            flops = 2.0 * m * n * k
+            line = " ".join(f"tile{tl} {t * 1e6:8.1f} us {flops / t / 1e12:6.1f} TF/s "
+                            f"({flops / t / peak:.0%})" for tl, (_, t) in res.items())
+            print(f"{name:7s} tokens={tokens:5d} {'skewed ' if skew else 'uniform'} rows={m:6d} "
+                  f"{line}  rel.err {err:.2e} bitwise {'yes' if same else 'no'}", flush=True)
