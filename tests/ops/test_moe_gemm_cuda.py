@@ -254,13 +254,15 @@ def test_kslot_order_matches_the_fragment_k_map(gen, shape):
 
 def test_cuda_tile_choice():
     """The tile the kernel runs (one rule, in C++, used by the op layer and the launcher): tiny
-    decode tile below 4 rows per expert (masked: cap <= 8), small tile up to 95, from 96 the
-    wgmma tile for bf16 and the large mma.sync tile for float8; a requested tile is kept."""
+    decode tile below 4 rows per expert (masked: cap <= 8), then the small tile; the wgmma tile
+    for bf16 from 48 rows per expert, the large mma.sync tile for float8 from 96; a requested
+    tile is kept."""
     rule = _C.mxfp4_cuda_tile
     assert rule(fp8=False, masked=False, m=3 * 256, num_experts=256, cap=0, requested=0) == 3
     assert rule(fp8=False, masked=False, m=4 * 256, num_experts=256, cap=0, requested=0) == 1
-    assert rule(fp8=False, masked=False, m=95 * 256, num_experts=256, cap=0, requested=0) == 1
-    assert rule(fp8=False, masked=False, m=96 * 256, num_experts=256, cap=0, requested=0) == 4
+    assert rule(fp8=False, masked=False, m=47 * 256, num_experts=256, cap=0, requested=0) == 1
+    assert rule(fp8=False, masked=False, m=48 * 256, num_experts=256, cap=0, requested=0) == 4
+    assert rule(fp8=True, masked=False, m=95 * 256, num_experts=256, cap=0, requested=0) == 1
     assert rule(fp8=True, masked=False, m=96 * 256, num_experts=256, cap=0, requested=0) == 2
     assert rule(fp8=False, masked=True, m=0, num_experts=8, cap=8, requested=0) == 3
     assert rule(fp8=True, masked=True, m=0, num_experts=8, cap=9, requested=0) == 1

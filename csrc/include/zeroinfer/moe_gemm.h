@@ -114,15 +114,16 @@ struct Mxfp4CudaGemmParams {
 };
 
 // The tile the CUDA kernel runs for a requested tile (0 = choose), from the shapes only (never
-// from device values): for float8 activations the large mma.sync tile from 96 rows per expert,
-// for bf16 the wgmma tile; the tiny tile while an active expert holds <= 8 rows on average
-// (contiguous: m / E < 4 rows per expert, i.e. <= ~170 tokens of V4-Flash top-6 / 256; masked:
-// cap <= 8); the small tile otherwise.
+// from device values): for float8 activations the large mma.sync tile from 96 rows per expert;
+// for bf16 the wgmma tile from 48 (on the H200 it is 1.3x the small tile there even with 128-token
+// tiles 3/8 full: bench/results/h200/moe_gemm_NOTES.md); the tiny tile while an active expert
+// holds <= 8 rows on average (contiguous: m / E < 4 rows per expert, i.e. <= ~170 tokens of
+// V4-Flash top-6 / 256; masked: cap <= 8); the small tile otherwise.
 inline int mxfp4_cuda_tile(bool fp8, bool masked, int64_t m, int64_t num_experts, int64_t cap,
                            int requested) {
   if (requested != 0) return requested;
   const int64_t rows_per_expert = masked ? cap : m / (num_experts > 0 ? num_experts : 1);
-  if (rows_per_expert >= 96) return fp8 ? 2 : 4;
+  if (fp8 ? rows_per_expert >= 96 : rows_per_expert >= 48) return fp8 ? 2 : 4;
   return (masked ? cap <= 8 : rows_per_expert < 4) ? 3 : 1;
 }
 
