@@ -36,8 +36,14 @@ from zeroinfer.testing import bench
 
 HIDDEN, INTER, EXPERTS, TOPK, LIMIT = 4096, 2048, 256, 6, 10.0
 CPU_EXPERTS = 16
-# The CUDA kernel's tile shapes (_C.mxfp4_cuda_tile picks one from the shapes).
+# The CUDA kernel's tile shapes (_C.mxfp4_cuda_plan picks one from the shapes, or two split
+# between the experts by their row counts on the device).
 _TILE_NAMES = {1: "small", 2: "large", 3: "tiny", 4: "wgmma"}
+
+
+def _plan_name(fp8, m):
+    tile, big, split = _C.mxfp4_cuda_plan(fp8, False, m, EXPERTS, 0, 0)
+    return f"{_TILE_NAMES[tile]}|{_TILE_NAMES[big]}>={split}" if split else _TILE_NAMES[tile]
 
 
 def torch_grouped(a, w, s, offsets, fuse, limit, out_dtype):
@@ -313,8 +319,7 @@ def cuda_main(args, quick: bool) -> None:
                         "gemm": name, "act": act, "tokens": tokens,
                         "routing": "skewed" if skew else "uniform", "experts": EXPERTS,
                         "active": active, "rows": m, "N": n, "K": k,
-                        "tile": _TILE_NAMES[_C.mxfp4_cuda_tile(act == "fp8", False, m, EXPERTS,
-                                                               0, 0)],
+                        "tile": _plan_name(act == "fp8", m),
                         "weight_bytes": weight_bytes, "act_bytes": act_bytes,
                         "out_bytes": out_bytes,
                         **bench.roofline_row(seconds=t, bytes_moved=weight_bytes + act_bytes

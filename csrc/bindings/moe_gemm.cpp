@@ -68,7 +68,7 @@ void register_moe_gemm(py::module_& m) {
          uintptr_t expert_offsets,
          uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out, int out_dtype,
          int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k, bool fuse_swiglu,
-         std::optional<double> swiglu_limit, int tile, bool a_kslot_order, uintptr_t stream) {
+         std::optional<double> swiglu_limit, int tile, uintptr_t a_kslot, uintptr_t stream) {
 #ifdef ZEROINFER_WITH_CUDA
         Mxfp4CudaGemmParams p;
         set_common(p, a, a_dtype, a_scale, expert_offsets, expert_counts, masked_m, out,
@@ -80,7 +80,7 @@ void register_moe_gemm(py::module_& m) {
         p.fp8_layout = fp8_layout;
         p.wide_scales = wide_scales;
         p.tile = tile;
-        p.a_kslot_order = a_kslot_order;
+        p.a_kslot = as_ptr<const void>(a_kslot);
         py::gil_scoped_release nogil;
         mxfp4_grouped_gemm_cuda(p, as_ptr<void>(stream));
 #else
@@ -88,7 +88,7 @@ void register_moe_gemm(py::module_& m) {
         (void)gate_up_interleaved, (void)fp8_layout, (void)wide_scales, (void)expert_offsets;
         (void)expert_counts;
         (void)masked_m, (void)out, (void)out_dtype, (void)num_experts, (void)m_rows, (void)cap;
-        (void)n, (void)k, (void)fuse_swiglu, (void)swiglu_limit, (void)tile, (void)a_kslot_order;
+        (void)n, (void)k, (void)fuse_swiglu, (void)swiglu_limit, (void)tile, (void)a_kslot;
         (void)stream;
         throw std::runtime_error("zeroinfer._C was built without CUDA");
 #endif
@@ -101,10 +101,17 @@ void register_moe_gemm(py::module_& m) {
       py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("masked_m"), py::arg("out"),
       py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
       py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"), py::arg("tile"),
-      py::arg("a_kslot_order"), py::arg("stream"));
-  def(m, "mxfp4_cuda_tile", &mxfp4_cuda_tile,
-      "The tile the CUDA MXFP4 kernel runs for a requested one (0 = chosen from the shapes); "
-      "tile 4 takes its activations in the packed weights' k-slot order",
+      py::arg("a_kslot"), py::arg("stream"));
+  def(m,
+      "mxfp4_cuda_plan",
+      [](bool fp8, bool masked, int64_t m_rows, int64_t num_experts, int64_t cap, int requested) {
+        const Mxfp4CudaPlan plan = mxfp4_cuda_plan(fp8, masked, m_rows, num_experts, cap,
+                                                   requested);
+        return py::make_tuple(plan.tile, plan.big_tile, plan.split_rows);
+      },
+      "How the CUDA MXFP4 kernel covers the experts, from the shapes (requested 0) or a forced "
+      "tile: (tile, big_tile, split_rows); with split_rows > 0 experts holding that many rows or "
+      "more run big_tile. Tile 4 reads the activations in the packed weights' k-slot order.",
       py::arg("fp8"), py::arg("masked"), py::arg("m"), py::arg("num_experts"), py::arg("cap"),
       py::arg("requested"));
   m.attr("MXFP4_BLOCK_BYTES") = kMxfp4BlockBytes;

@@ -24,7 +24,8 @@
 //
 // Tiles: a CTA computes BN weight rows x BM tokens of one expert over the whole K (no split-K, so
 // no cross-CTA reduction), with a kStages-deep cp.async pipeline of BK = 128 (weights, tokens and
-// the float8 scales of that k block). Four shapes, chosen from the shapes only (mxfp4_cuda_tile):
+// the float8 scales of that k block). Four shapes; mxfp4_cuda_plan picks one from the shapes, or
+// two, split between the experts on the device by their row counts (skewed routing):
 //   tiny:  4 warps x (16 rows x 8 tokens) = 64 x 8     (decode, < 4 rows per expert on average:
 //          88-92 registers and a small activation stage, so 5 CTAs / 20 warps per SM)
 //   small: 4 warps x (16 rows x 32 tokens) = 64 x 32   (decode; n8 steps past the expert's rows
@@ -348,6 +349,7 @@ __device__ void build_schedule(const Mxfp4CudaGemmParams& p, int* prefix, int* r
       r0 = lo;
       c = p.expert_counts != nullptr ? min(max(p.expert_counts[e], 0), hi - lo) : hi - lo;
     }
+    if (c < p.rows_lo || c >= p.rows_hi) c = 0;  // another launch of a split plan has e
     row0[e] = r0;
     cnt[e] = c;
     sum += (c + C::bm - 1) / C::bm;
@@ -650,7 +652,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const bool strip_active = sidx < strips_valid;
     const uint8_t* wtile =
         p.w_packed + (static_cast<int64_t>(e) * strips_total + strip0) * kb_total * kBlk;
-    const __nv_bfloat16* atile = static_cast<const __nv_bfloat16*>(p.a) +
+    const __nv_bfloat16* atile = static_cast<const __nv_bfloat16*>(p.a_kslot) +
                                  static_cast<int64_t>(tile_row0) * k;
 
     // Stage kt of the ring slot: the weights of this tile's strips and the B tile (rows past
@@ -674,7 +676,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       for (int u = 0; u < kBUnits; ++u) {
         if (brow + u * kBRowStep < tile_rows)
           cp_async16(bdst + u * kBRowStep * 128,
-                     kvalid ? bsrc + static_cast<int64_t>(u) * kBRowStep * k * 2 : p.a, kvalid);
+                     kvalid ? bsrc + static_cast<int64_t>(u) * kBRowStep * k * 2 : p.a_kslot,
+                     kvalid);
       }
     };
     float acc[64];
@@ -855,27 +858,40 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
            "tile must be 0 (auto), 1 (small), 2 (large), 3 (tiny) or 4 (wgmma, bf16 only)");
   ZI_CHECK(p.tile != 4 || p.a_dtype == DType::kBFloat16,
            "tile 4 (wgmma) takes bfloat16 activations only");
-  const int tile = mxfp4_cuda_tile(p.a_dtype == DType::kFloat8E4M3, masked, p.m, p.num_experts,
-                                   p.cap, p.tile);
-  ZI_CHECK(p.a_kslot_order == (tile == 4),
-           "activations in k-slot order go with tile 4 (the wgmma tile), and only with it");
+  const Mxfp4CudaPlan plan = mxfp4_cuda_plan(p.a_dtype == DType::kFloat8E4M3, masked, p.m,
+                                             p.num_experts, p.cap, p.tile);
+  ZI_CHECK((p.a_kslot != nullptr) == mxfp4_plan_uses(plan, 4),
+           "a_kslot (the activations in k-slot order) goes with the wgmma tile, and only with it");
+  ZI_CHECK(plan.split_rows < INT32_MAX, "split_rows out of range");
   auto s = static_cast<cudaStream_t>(stream);
-  if (p.a_dtype == DType::kFloat8E4M3) {
-    if (tile == 2)
-      launch<LargeCfg<true>>(p, s);
-    else if (tile == 3)
-      launch<TinyCfg<true>>(p, s);
-    else
-      launch<SmallCfg<true>>(p, s);
+  auto run = [&](int tile, int32_t rows_lo, int32_t rows_hi) {
+    Mxfp4CudaGemmParams q = p;
+    q.rows_lo = rows_lo;
+    q.rows_hi = rows_hi;
+    if (q.a_dtype == DType::kFloat8E4M3) {
+      if (tile == 2)
+        launch<LargeCfg<true>>(q, s);
+      else if (tile == 3)
+        launch<TinyCfg<true>>(q, s);
+      else
+        launch<SmallCfg<true>>(q, s);
+    } else {
+      if (tile == 4)
+        launch<WgCfg>(q, s);
+      else if (tile == 2)
+        launch<LargeCfg<false>>(q, s);
+      else if (tile == 3)
+        launch<TinyCfg<false>>(q, s);
+      else
+        launch<SmallCfg<false>>(q, s);
+    }
+  };
+  if (plan.split_rows > 0) {
+    const auto split = static_cast<int32_t>(plan.split_rows);
+    run(plan.tile, 0, split);
+    run(plan.big_tile, split, INT32_MAX);
   } else {
-    if (tile == 4)
-      launch<WgCfg>(p, s);
-    else if (tile == 2)
-      launch<LargeCfg<false>>(p, s);
-    else if (tile == 3)
-      launch<TinyCfg<false>>(p, s);
-    else
-      launch<SmallCfg<false>>(p, s);
+    run(plan.tile, 0, INT32_MAX);
   }
 }
 

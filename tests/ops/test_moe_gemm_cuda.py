@@ -252,22 +252,31 @@ def test_kslot_order_matches_the_fragment_k_map(gen, shape):
     assert torch.equal(got, a[..., src])
 
 
-def test_cuda_tile_choice():
-    """The tile the kernel runs (one rule, in C++, used by the op layer and the launcher): tiny
-    decode tile below 4 rows per expert (masked: cap <= 8), then the small tile; the wgmma tile
-    for bf16 from 48 rows per expert, the large mma.sync tile for float8 from 96; a requested
-    tile is kept."""
-    rule = _C.mxfp4_cuda_tile
-    assert rule(fp8=False, masked=False, m=3 * 256, num_experts=256, cap=0, requested=0) == 3
-    assert rule(fp8=False, masked=False, m=4 * 256, num_experts=256, cap=0, requested=0) == 1
-    assert rule(fp8=False, masked=False, m=47 * 256, num_experts=256, cap=0, requested=0) == 1
-    assert rule(fp8=False, masked=False, m=48 * 256, num_experts=256, cap=0, requested=0) == 4
-    assert rule(fp8=True, masked=False, m=95 * 256, num_experts=256, cap=0, requested=0) == 1
-    assert rule(fp8=True, masked=False, m=96 * 256, num_experts=256, cap=0, requested=0) == 2
-    assert rule(fp8=False, masked=True, m=0, num_experts=8, cap=8, requested=0) == 3
-    assert rule(fp8=True, masked=True, m=0, num_experts=8, cap=9, requested=0) == 1
-    assert rule(fp8=False, masked=True, m=0, num_experts=8, cap=128, requested=0) == 4
-    assert rule(fp8=False, masked=False, m=10, num_experts=256, cap=0, requested=2) == 2
+def test_cuda_plan():
+    """How the kernel covers the experts (one rule, in C++, used by the op layer and the
+    launcher): (tile, big_tile, split_rows). Tiny decode tile below 4 rows per expert (masked:
+    cap <= 8), then the small tile; float8 takes the large mma.sync tile from 96 rows per expert;
+    bf16 the wgmma tile from 48 (masked: cap >= 48), and below that, in the contiguous layout
+    from 256 rows in all, the experts holding >= 48 rows take the wgmma tile (skewed routing);
+    a requested tile runs all."""
+    def plan(fp8=False, masked=False, m=0, cap=0, requested=0, E=256):
+        return tuple(_C.mxfp4_cuda_plan(fp8=fp8, masked=masked, m=m, num_experts=E, cap=cap,
+                                        requested=requested))
+    assert plan(m=6) == (3, 0, 0)                   # 1 token of top-6
+    assert plan(m=255) == (3, 0, 0)                 # too few rows to split
+    assert plan(m=256) == (3, 4, 48)                # tiny + wgmma for skewed experts
+    assert plan(m=4 * 256) == (1, 4, 48)            # small + wgmma
+    assert plan(m=47 * 256) == (1, 4, 48)
+    assert plan(m=48 * 256) == (4, 0, 0)            # every expert on the wgmma tile
+    assert plan(fp8=True, m=4096) == (1, 0, 0)      # float8: one tile from the average
+    assert plan(fp8=True, m=95 * 256) == (1, 0, 0)
+    assert plan(fp8=True, m=96 * 256) == (2, 0, 0)
+    assert plan(masked=True, cap=8, E=8) == (3, 0, 0)
+    assert plan(masked=True, cap=47, E=8) == (1, 0, 0)
+    assert plan(masked=True, cap=48, E=8) == (4, 0, 0)
+    assert plan(fp8=True, masked=True, cap=9, E=8) == (1, 0, 0)
+    assert plan(m=10, requested=2) == (2, 0, 0)
+    assert plan(m=100000, requested=1) == (1, 0, 0)
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -469,12 +478,35 @@ def test_cuda_routing(gen, tile, dtype, masked, routing):
         counts = rand_counts(gen, E, 50, empty=5)
     elif routing == "many":
         counts = [int(v) for v in torch.randint(100, 200, (E,), generator=gen)]
-    for t in _tiles(dtype):
+    for t in (0, *_tiles(dtype)):
         tile(t)
         c = make_case(gen, E=E, N=128, K=256, dtype=dtype, masked=masked, counts=counts,
                       cap=max(counts + [1]) + 3, mode="swiglu")
         check_vs_ref(run_cuda(c, out_dtype=torch.bfloat16), c, torch.bfloat16,
                      f"{routing} tile={t}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_split_plan(gen, tile, masked):
+    """Skewed bf16 routing under the shape-only plan: experts with >= 48 rows run the wgmma tile,
+    the others the small tile (two launches, each skipping the other's experts on the device).
+    Every row is written once, right, and bitwise as a single tile writes it."""
+    E = 16
+    counts = [300, 2, 0, 60, 47, 48, 5, 1] + [0] * 8
+    if masked:  # the capacity decides alone: every expert on the wgmma tile
+        counts = [49, 3, 0, 47] + [0] * 12
+    c = make_case(gen, E=E, N=128, K=384, dtype=torch.bfloat16, masked=masked, counts=counts,
+                  cap=max(counts) + 2, mode="swiglu_limit")
+    m = sum(counts) if not masked else 0
+    plan = tuple(_C.mxfp4_cuda_plan(False, masked, m, E, max(counts) + 2, 0))
+    assert plan == ((4, 0, 0) if masked else (1, 4, 48)), plan
+    tile(0)
+    got = run_cuda(c, out_dtype=torch.float32)
+    check_vs_ref(got, c, torch.float32, "split plan")
+    tile(1)
+    one = run_cuda(c, out_dtype=torch.float32, check=False)
+    assert torch.equal(got.view(torch.int32), one.view(torch.int32)), "split plan vs tile 1"
 
 
 @pytest.mark.gpu

@@ -103,28 +103,55 @@ struct Mxfp4CudaGemmParams {
   bool fuse_swiglu = false;
   bool has_swiglu_limit = false;
   float swiglu_limit = 0.f;
-  // 0: choose the tile from the shapes (mxfp4_cuda_tile); 1: small-M tile (64 weight rows x 32
-  // tokens, decode); 2: large-M tile (256 x 128, mma.sync); 3: tiny-M tile (64 x 8, decode with
-  // <= 8 rows per expert: 5 CTAs per SM); 4: wgmma tile (128 x 128, bf16 activations, prefill).
-  // Every tile gives bitwise the same result.
+  // 0: the plan from the shapes (mxfp4_cuda_plan); 1: small-M tile (64 weight rows x 32 tokens,
+  // decode); 2: large-M tile (256 x 128, mma.sync); 3: tiny-M tile (64 x 8, decode with <= 8
+  // rows per expert: 5 CTAs per SM); 4: wgmma tile (128 x 128, bf16 activations, prefill). A
+  // tile other than 0 runs every expert. Every tile gives bitwise the same result.
   int tile = 0;
-  // The activations' 16-k groups hold their bf16 pairs in the packed weights' k-slot order
-  // (slot pair q <- real pair 0,2,4,6,1,3,5,7): required by tile 4, refused by the others.
-  bool a_kslot_order = false;
+  // The activations again (same layout and dtype) with each 16-k group's bf16 pairs in the
+  // packed weights' k-slot order (slot pair q <- real pair 0,2,4,6,1,3,5,7): what the wgmma tile
+  // reads. Required exactly when the plan runs tile 4 (zeroinfer.ops makes it in one pass).
+  const void* a_kslot = nullptr;
+  // Set by mxfp4_grouped_gemm_cuda for each launch of a split plan: a launch computes only the
+  // experts with rows_lo <= rows < rows_hi (rows read on the device).
+  int32_t rows_lo = 0;
+  int32_t rows_hi = INT32_MAX;
 };
 
-// The tile the CUDA kernel runs for a requested tile (0 = choose), from the shapes only (never
-// from device values): for float8 activations the large mma.sync tile from 96 rows per expert;
-// for bf16 the wgmma tile from 48 (on the H200 it is 1.3x the small tile there even with 128-token
-// tiles 3/8 full: bench/results/h200/moe_gemm_NOTES.md); the tiny tile while an active expert
-// holds <= 8 rows on average (contiguous: m / E < 4 rows per expert, i.e. <= ~170 tokens of
-// V4-Flash top-6 / 256; masked: cap <= 8); the small tile otherwise.
-inline int mxfp4_cuda_tile(bool fp8, bool masked, int64_t m, int64_t num_experts, int64_t cap,
-                           int requested) {
-  if (requested != 0) return requested;
+// How the CUDA kernel covers the experts, from the shapes only (never from device values, so no
+// host synchronisation): `tile` for every expert, or, with split_rows > 0, `tile` for the experts
+// that turn out (on the device) to hold fewer than split_rows rows and `big_tile` for the others
+// (two launches; each skips the other's experts). Which tile where, measured on the H200
+// (bench/results/h200/moe_gemm_NOTES.md):
+//   tiny (3)   while an active expert holds <= 8 rows on average (contiguous: m / E < 4, i.e.
+//              <= ~170 tokens of V4-Flash top-6 / 256; masked: cap <= 8), small (1) otherwise;
+//   float8:    the large mma.sync tile (2) for every expert from 96 rows per expert on average;
+//   bf16:      the wgmma tile (4) from 48 rows per expert on average (masked: cap >= 48; 1.3x
+//              the small tile there even with 128-token tiles 3/8 full); below that, in the
+//              contiguous layout from 256 rows in all, the experts that hold 48 rows or more
+//              (skewed routing) take the wgmma tile and the rest the tiny / small tile. (Below
+//              256 rows the second launch and the k-slot copy of the activations would cost more
+//              than they can save.)
+struct Mxfp4CudaPlan {
+  int tile = 1;
+  int big_tile = 0;
+  int64_t split_rows = 0;
+};
+
+inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t num_experts,
+                                     int64_t cap, int requested) {
+  if (requested != 0) return {requested, 0, 0};
   const int64_t rows_per_expert = masked ? cap : m / (num_experts > 0 ? num_experts : 1);
-  if (fp8 ? rows_per_expert >= 96 : rows_per_expert >= 48) return fp8 ? 2 : 4;
-  return (masked ? cap <= 8 : rows_per_expert < 4) ? 3 : 1;
+  const int small = (masked ? cap <= 8 : rows_per_expert < 4) ? 3 : 1;
+  if (fp8) return {rows_per_expert >= 96 ? 2 : small, 0, 0};
+  constexpr int64_t kWgmmaRows = 48, kSplitMinRows = 256;
+  if (rows_per_expert >= kWgmmaRows) return {4, 0, 0};
+  if (masked || m < kSplitMinRows) return {small, 0, 0};
+  return {small, 4, kWgmmaRows};
+}
+
+inline bool mxfp4_plan_uses(const Mxfp4CudaPlan& plan, int tile) {
+  return plan.tile == tile || (plan.split_rows > 0 && plan.big_tile == tile);
 }
 
 // Largest num_experts the CUDA kernel takes (its per-CTA schedule lives in shared memory).

@@ -30,7 +30,7 @@ def _name(d: torch.dtype) -> str:
 
 
 _INT32_LIMIT = 2**31
-# Tile shape of the CUDA kernel: 0 = chosen from the shapes (_C.mxfp4_cuda_tile), 1 = small-M,
+# Tile shape of the CUDA kernel: 0 = planned from the shapes (_C.mxfp4_cuda_plan), 1 = small-M,
 # 2 = large-M (mma.sync), 3 = tiny-M (decode, <= 8 rows per expert per tile), 4 = wgmma (bf16
 # activations, prefill). Tests set it to run every shape on the same inputs (every shape gives
 # bitwise the same result).
@@ -285,16 +285,18 @@ def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
 def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_rows, cap, k,
                  fuse, limit) -> None:
     dev = a.device
-    tile = _C.mxfp4_cuda_tile(a.dtype == _FP8, masked_m is not None, m_rows, num_experts, cap,
-                              _FORCE_TILE)
-    if tile == 4:
-        a = _kslot_order(a)
-    elif a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
+    tile, big_tile, split_rows = _C.mxfp4_cuda_plan(a.dtype == _FP8, masked_m is not None,
+                                                    m_rows, num_experts, cap, _FORCE_TILE)
+    # The wgmma tile reads its own copy of the activations in k-slot order (contiguous, so
+    # 16-byte aligned rows).
+    a_kslot = _kslot_order(a) if 4 in (tile, big_tile if split_rows else 0) else None
+    if a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
         a = a.clone()
     args = (ptr(a), dtype_code(a), ptr(a_scale), ptr(pw.data), pw.n_pad, pw.k_pad,
             pw.fuse_swiglu, pw.act_dtype == _FP8, pw.wide_scales, ptr(offsets), ptr(counts),
             ptr(masked_m), ptr(out),
-            dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, tile, tile == 4)
+            dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, _FORCE_TILE,
+            ptr(a_kslot))
     if dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
             _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev))
