@@ -27,7 +27,7 @@
 // the float8 scales of that k block). Four shapes; mxfp4_cuda_plan picks one from the shapes, or
 // two, split between the experts on the device by their row counts (skewed routing):
 //   tiny:  4 warps x (16 rows x 8 tokens) = 64 x 8     (decode, < 4 rows per expert on average:
-//          88-92 registers and a small activation stage, so 5 CTAs / 20 warps per SM)
+//          72-76 registers and a small activation stage, so 6-7 CTAs / 24-28 warps per SM)
 //   small: 4 warps x (16 rows x 32 tokens) = 64 x 32   (decode; n8 steps past the expert's rows
 //          are skipped, so 1..8 tokens cost one mma per weight fragment)
 //   large: 8 warps as 4 (N) x 2 (M), warp tile 64 x 64 = 256 x 128 (prefill, float8)
@@ -93,10 +93,11 @@ template <bool F>
 using SmallCfg = Cfg<F, 4, 1, 1, 4, 5, 3>;
 // Tiny decode tile: 4 warps x (16 rows x 8 tokens) = 64 x 8. Same per-warp work as the small tile
 // for <= 8 rows per expert, but a 4x smaller activation stage and a 4-token-step smaller
-// accumulator, so 5 CTAs (20 warps) fit an SM instead of 3 (12): more weight bytes in flight and
-// more warps to hide the decode's dependency latency.
+// accumulator, so 6 (bf16, <= 80 registers) / 7 (float8, <= 72) CTAs fit an SM instead of 3: more
+// warps to hide the decode's dependency latency. Five stages each; measured on the H200 against
+// 5 CTAs x 6-7 stages (+3-4% of HBM at 1-32 tokens) and bf16 at 7 CTAs x 4 stages (slower).
 template <bool F>
-using TinyCfg = Cfg<F, 4, 1, 1, 1, F ? 7 : 6, 5>;
+using TinyCfg = Cfg<F, 4, 1, 1, 1, 5, F ? 7 : 6>;
 template <bool F>
 using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
 

@@ -105,7 +105,7 @@ struct Mxfp4CudaGemmParams {
   float swiglu_limit = 0.f;
   // 0: the plan from the shapes (mxfp4_cuda_plan); 1: small-M tile (64 weight rows x 32 tokens,
   // decode); 2: large-M tile (256 x 128, mma.sync); 3: tiny-M tile (64 x 8, decode with <= 8
-  // rows per expert: 5 CTAs per SM); 4: wgmma tile (128 x 128, bf16 activations, prefill). A
+  // rows per expert: 6-7 CTAs per SM); 4: wgmma tile (128 x 128, bf16 activations, prefill). A
   // tile other than 0 runs every expert. Every tile gives bitwise the same result.
   int tile = 0;
   // The activations again (same layout and dtype) with each 16-k group's bf16 pairs in the
