@@ -1,7 +1,8 @@
 """A/B of the MXFP4 grouped GEMM's tile shapes on the H200 for bf16 activations at V4-Flash
-expert shapes: the mma.sync large tile (2) against the wgmma tile (4), each checked against the
-other (relative error) and timed (CUDA-graph replay, L2 flushed), with TFLOP/s and the fraction
-of the bf16 peak measured in the same run.
+expert shapes: the mma.sync small (1) and large (2) tiles against the wgmma tile (4), each forced
+for every expert, checked against each other (relative error, bitwise equality) and timed
+(CUDA-graph replay, L2 flushed), with TFLOP/s and the fraction of the bf16 peak measured in the
+same run. Used for every step in bench/results/h200/moe_gemm_NOTES.md (session 4).
 
   python3 bench/ab_moe_tile.py [tokens ...]      (default 2048 8192; uniform and skewed routing)
 """
