@@ -108,9 +108,9 @@ using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
 // rows, i.e. exactly what decode_bf16_raw and the scale multiplies give from the lane's
 // prepacked word, whose k order is the prepack's k-slot order (slot pair q of a 16-k group holds
 // real pair 0,2,4,6,1,3,5,7). Tokens are the B operand from shared memory (K-major, 128-byte
-// swizzle) and must be in that same order: the caller passes the activations with each 16-k
-// group's bf16 pairs permuted so (a_kslot_order; zeroinfer.ops does it in one pass), which lets
-// the B tiles travel by 16-byte cp.async in the same ring as the weights.
+// swizzle) and must be in that same order: the caller passes the activations again with each
+// 16-k group's bf16 pairs permuted so (Mxfp4CudaGemmParams::a_kslot; zeroinfer.ops makes it in
+// one pass), which lets the B tiles travel by 16-byte cp.async in the same ring as the weights.
 struct WgCfg {
   static constexpr bool wgmma = true;
   static constexpr int threads = 256;
