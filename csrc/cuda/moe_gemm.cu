@@ -180,6 +180,25 @@ __device__ __forceinline__ void decode_bf16_raw(uint32_t q, uint32_t (&a)[4]) {
   a[3] = ((q << 7) & 0x01800180u) | ((q << 3) & 0x00400040u) | ((q << 11) & 0x80008000u);
 }
 
+// One word's scaled A fragment for a k16 step of 32-group s: decode_bf16_raw, then rows g (a0,
+// a2) times m1[s] and rows g + 8 (a1, a3) times m1[2 + s], and the second factors when wide
+// (bf16_multipliers below). Exact: every factor is a power of two.
+__device__ __forceinline__ void decode_bf16_scaled(uint32_t q, const uint32_t (&m1)[4],
+                                                   const uint32_t (&m2)[4], int s, bool wide,
+                                                   uint32_t (&a)[4]) {
+  decode_bf16_raw(q, a);
+  a[0] = bf16x2_mul(a[0], m1[s]);
+  a[1] = bf16x2_mul(a[1], m1[2 + s]);
+  a[2] = bf16x2_mul(a[2], m1[s]);
+  a[3] = bf16x2_mul(a[3], m1[2 + s]);
+  if (wide) {
+    a[0] = bf16x2_mul(a[0], m2[s]);
+    a[1] = bf16x2_mul(a[1], m2[2 + s]);
+    a[2] = bf16x2_mul(a[2], m2[s]);
+    a[3] = bf16x2_mul(a[3], m2[2 + s]);
+  }
+}
+
 // float8 ("nibble") layout: value (r, j) is the nibble in slot 3, 7, 1, 5 (row g, j = 0..3) or
 // 2, 6, 0, 4 (row g+8). -> e4m3 A-fragment registers of one k16 half: rg = row g bytes j0..j3,
 // r8 = row g+8, each byte sgn<<7 | e1 e0 m<<2 = the value times 2^-6. Gather the bytes holding
@@ -252,17 +271,7 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, in
 #pragma unroll
           for (int i = 0; i < C::wn; ++i) {
             uint32_t a[4];
-            decode_bf16_raw(word_of(wq[i], 2 * s + h), a);
-            a[0] = bf16x2_mul(a[0], m1[i][s]);
-            a[1] = bf16x2_mul(a[1], m1[i][2 + s]);
-            a[2] = bf16x2_mul(a[2], m1[i][s]);
-            a[3] = bf16x2_mul(a[3], m1[i][2 + s]);
-            if (wide) {
-              a[0] = bf16x2_mul(a[0], m2[i][s]);
-              a[1] = bf16x2_mul(a[1], m2[i][2 + s]);
-              a[2] = bf16x2_mul(a[2], m2[i][s]);
-              a[3] = bf16x2_mul(a[3], m2[i][2 + s]);
-            }
+            decode_bf16_scaled(word_of(wq[i], 2 * s + h), m1[i], m2[i], s, wide, a);
 #pragma unroll
             for (int j = 0; j < C::wt; ++j) {
               if (j < nj) mma_bf16(acc[i][j], a, b[j][0], b[j][1]);
@@ -734,17 +743,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       for (int step = 0; step < 8; ++step) {  // step = real 16-k group of the stage
         const int kb = step >> 2, s2 = (step >> 1) & 1, h = step & 1;
         uint32_t(&f)[4] = a[step & 1];
-        decode_bf16_raw(word_of(wq[kb], 2 * s2 + h), f);
-        f[0] = bf16x2_mul(f[0], m1[kb][s2]);
-        f[1] = bf16x2_mul(f[1], m1[kb][2 + s2]);
-        f[2] = bf16x2_mul(f[2], m1[kb][s2]);
-        f[3] = bf16x2_mul(f[3], m1[kb][2 + s2]);
-        if (wide) {
-          f[0] = bf16x2_mul(f[0], m2[kb][s2]);
-          f[1] = bf16x2_mul(f[1], m2[kb][2 + s2]);
-          f[2] = bf16x2_mul(f[2], m2[kb][s2]);
-          f[3] = bf16x2_mul(f[3], m2[kb][2 + s2]);
-        }
+        decode_bf16_scaled(word_of(wq[kb], 2 * s2 + h), m1[kb], m2[kb], s2, wide, f);
         uint64_t desc[1] = {
             wgmma::desc_sw128(b_base + (step >> 2) * (C::bm * 128) + (step & 3) * 32, 16, 1024)};
         wgmma::fence_operands(f);
