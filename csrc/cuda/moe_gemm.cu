@@ -374,6 +374,55 @@ __device__ void build_schedule(const Mxfp4CudaGemmParams& p, int* prefix, int* r
   __syncthreads();
 }
 
+// The device-side schedule in shared memory (after the pipeline: `sched`) and the work item
+// a CTA runs: (tile slot, N tile) -> its expert's rows and weight strips.
+struct ItemTile {
+  int tile_row0, tile_rows;  // first row of a / out of the tile, rows in it (>= 1)
+  int strip0, strips_valid;  // first packed 16-row strip, strips of the tile that exist
+  const uint8_t* wtile;      // the strips' packed weights
+};
+
+template <class C>
+struct Schedule {
+  int E, strips_total, n_tiles;
+  int64_t kb_total, items;
+  int *prefix, *row0, *cnt;
+
+  __device__ Schedule(const Mxfp4CudaGemmParams& p, uint8_t* sched) {
+    E = static_cast<int>(p.num_experts);
+    prefix = reinterpret_cast<int*>(sched);
+    row0 = prefix + (E + 1);
+    cnt = row0 + E;
+    build_schedule<C>(p, prefix, row0, cnt);
+    strips_total = static_cast<int>(p.n_pad / 16);
+    n_tiles = (strips_total + C::strips - 1) / C::strips;
+    kb_total = p.k_pad / 64;
+    items = static_cast<int64_t>(prefix[E]) * n_tiles;
+  }
+
+  __device__ ItemTile tile_of(const Mxfp4CudaGemmParams& p, int64_t it) const {
+    const int slot = static_cast<int>(it / n_tiles);
+    const int nt = static_cast<int>(it - static_cast<int64_t>(slot) * n_tiles);
+    int lo = 0, hi = E - 1;  // largest e with prefix[e] <= slot (it owns >= 1 tile)
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (prefix[mid] <= slot)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int e = lo;
+    const int mt = slot - prefix[e];
+    ItemTile w;
+    w.tile_row0 = row0[e] + mt * C::bm;
+    w.tile_rows = min(C::bm, cnt[e] - mt * C::bm);
+    w.strip0 = nt * C::strips;
+    w.strips_valid = min(C::strips, strips_total - w.strip0);
+    w.wtile = p.w_packed + (static_cast<int64_t>(e) * strips_total + w.strip0) * kb_total * kBlk;
+    return w;
+  }
+};
+
 __device__ __forceinline__ void store_out(void* out, bool bf16, int64_t idx, float v) {
   if (bf16)
     static_cast<__nv_bfloat16*>(out)[idx] = __float2bfloat16_rn(v);
@@ -422,21 +471,15 @@ template <class C>
 __global__ void __launch_bounds__(C::threads, C::min_blocks)
     mxfp4_moe_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
-  const int E = static_cast<int>(p.num_experts);
-  int* s_prefix = reinterpret_cast<int*>(smem + C::pipe_bytes);
-  int* s_row0 = s_prefix + (E + 1);
-  int* s_cnt = s_row0 + E;
-  build_schedule<C>(p, s_prefix, s_row0, s_cnt);
+  const Schedule<C> sch(p, smem + C::pipe_bytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_n = warp % C::warps_n, warp_m = warp / C::warps_n;
   const int g = lane >> 2, t = lane & 3;
-  const int strips_total = static_cast<int>(p.n_pad / 16);
-  const int n_tiles = (strips_total + C::strips - 1) / C::strips;
-  const int64_t items = static_cast<int64_t>(s_prefix[E]) * n_tiles;
+  const int64_t items = sch.items;
   const int k = static_cast<int>(p.k);
   const int kt_total = static_cast<int>(p.k_pad / kBK);
-  const int64_t kb_total = p.k_pad / 64;
+  const int64_t kb_total = sch.kb_total;
   const bool out_bf16 = p.out_dtype == DType::kBFloat16;
   const bool wide = p.wide_scales;
   constexpr int kEsize = C::fp8 ? 1 : 2;
@@ -444,28 +487,11 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 
 #pragma unroll 1
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const int slot = static_cast<int>(it / n_tiles);
-    const int nt = static_cast<int>(it - static_cast<int64_t>(slot) * n_tiles);
-    int lo = 0, hi = E - 1;  // largest e with prefix[e] <= slot (it owns >= 1 tile)
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (s_prefix[mid] <= slot)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int e = lo;
-    const int mt = slot - s_prefix[e];
-    const int tile_row0 = s_row0[e] + mt * C::bm;    // first row of a / out of this tile
-    const int tile_rows = min(C::bm, s_cnt[e] - mt * C::bm);  // >= 1
-    const int strip0 = nt * C::strips;
-    const int strips_valid = min(C::strips, strips_total - strip0);
+    const auto [tile_row0, tile_rows, strip0, strips_valid, wtile] = sch.tile_of(p, it);
     const int warp_tok0 = warp_m * C::wt * 8;
     const int nj = min(max((tile_rows - warp_tok0 + 7) / 8, 0), C::wt);
     const bool warp_active = nj > 0 && warp_n * C::wn < strips_valid;
 
-    const uint8_t* wtile =
-        p.w_packed + (static_cast<int64_t>(e) * strips_total + strip0) * kb_total * kBlk;
     const uint8_t* atile =
         static_cast<const uint8_t*>(p.a) + static_cast<int64_t>(tile_row0) * k * kEsize;
 
@@ -614,22 +640,16 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   // array's alignment; the 128-byte swizzle needs 1024, so the window is aligned by hand.)
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  const int E = static_cast<int>(p.num_experts);
   // The schedule arrays sit after the (aligned) pipeline: pipe_bytes includes the 1024 slack.
-  int* s_prefix = reinterpret_cast<int*>(smem_raw + C::pipe_bytes);
-  int* s_row0 = s_prefix + (E + 1);
-  int* s_cnt = s_row0 + E;
-  build_schedule<C>(p, s_prefix, s_row0, s_cnt);
+  const Schedule<C> sch(p, smem_raw + C::pipe_bytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sidx = warp;  // warpgroup cw = warp / 4 owns strips 4 cw .. 4 cw + 3
   const int g = lane >> 2, t = lane & 3;
-  const int strips_total = static_cast<int>(p.n_pad / 16);
-  const int n_tiles = (strips_total + C::strips - 1) / C::strips;
-  const int64_t items = static_cast<int64_t>(s_prefix[E]) * n_tiles;
+  const int64_t items = sch.items;
   const int k = static_cast<int>(p.k);
   const int kt_total = static_cast<int>(p.k_pad / kBK);
-  const int64_t kb_total = p.k_pad / 64;
+  const int64_t kb_total = sch.kb_total;
   const bool out_bf16 = p.out_dtype == DType::kBFloat16;
   const bool wide = p.wide_scales;
   const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
@@ -643,25 +663,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 
 #pragma unroll 1
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const int slot = static_cast<int>(it / n_tiles);
-    const int nt = static_cast<int>(it - static_cast<int64_t>(slot) * n_tiles);
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (s_prefix[mid] <= slot)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int e = lo;
-    const int mt = slot - s_prefix[e];
-    const int tile_row0 = s_row0[e] + mt * C::bm;
-    const int tile_rows = min(C::bm, s_cnt[e] - mt * C::bm);
-    const int strip0 = nt * C::strips;
-    const int strips_valid = min(C::strips, strips_total - strip0);
+    const auto [tile_row0, tile_rows, strip0, strips_valid, wtile] = sch.tile_of(p, it);
     const bool strip_active = sidx < strips_valid;
-    const uint8_t* wtile =
-        p.w_packed + (static_cast<int64_t>(e) * strips_total + strip0) * kb_total * kBlk;
     const __nv_bfloat16* atile = static_cast<const __nv_bfloat16*>(p.a_kslot) +
                                  static_cast<int64_t>(tile_row0) * k;
 
