@@ -64,14 +64,12 @@ s8 = torch.randint(115, 135, (E, N, K8 // 32), generator=gen, dtype=torch.uint8)
 p8 = mxfp4_prepack(w8, s8, fuse_swiglu=True, act_dtype=torch.float8_e4m3fn)
 x8 = torch.randn(E, 21, K8, generator=gen).to("cuda", torch.float8_e4m3fn)
 sc8 = torch.rand(E, 21, K8 // 128, generator=gen).cuda()
-for tile in (1, 2, 4):  # 4: the wgmma tile (bf16 only)
+for tile in (1, 2, 4):  # 4: the wgmma tile
     _mg._FORCE_TILE = tile
     for f in (False, True):
         mxfp4_grouped_gemm(x16, packs[f], None, expert_offsets=off, expert_counts=cnt,
                            fuse_swiglu=f, swiglu_limit=7.0 if f else None)
     mxfp4_grouped_gemm(x3, packs[False], None, masked_m=mm, out_dtype=torch.float32)
-    if tile == 4:
-        continue
     mxfp4_grouped_gemm(x8, p8, None, masked_m=mm, a_scale=sc8, fuse_swiglu=True)
     mxfp4_grouped_gemm(x8.reshape(E * 21, K8), p8, None, expert_offsets=torch.arange(
         0, 106, 21, dtype=torch.int32, device="cuda"), a_scale=sc8.reshape(E * 21, -1),

@@ -102,36 +102,46 @@ template <bool F>
 using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
 
 
-// wgmma tile (bf16 activations, prefill; tile = 4): two warpgroups x 64 weight rows (warp w of
-// warpgroup cw owns packed strip 4 cw + w) x 128 tokens. Weights are the wgmma A operand taken
-// from registers (the RS form): a warp's RS fragment is the mma.m16n8k16 A fragment of its 16
-// rows, i.e. exactly what decode_bf16_raw and the scale multiplies give from the lane's
-// prepacked word, whose k order is the prepack's k-slot order (slot pair q of a 16-k group holds
-// real pair 0,2,4,6,1,3,5,7). Tokens are the B operand from shared memory (K-major, 128-byte
-// swizzle) and must be in that same order: the caller passes the activations again with each
-// 16-k group's bf16 pairs permuted so (Mxfp4CudaGemmParams::a_kslot; zeroinfer.ops makes it in
-// one pass), which lets the B tiles travel by 16-byte cp.async in the same ring as the weights.
+// wgmma tile (prefill; tile = 4): two warpgroups x 64 weight rows (warp w of warpgroup cw owns
+// packed strip 4 cw + w) x bm tokens. Weights are the wgmma A operand taken from registers (the
+// RS form): a warp's RS fragment is the mma.m16n8k16 (bf16) / m16n8k32 (e4m3) A fragment of its
+// 16 rows, i.e. exactly what the decode tiles' decoders give from the lane's prepacked word.
+//   bf16 (bm 128, m64n128k16): the word's k order is the prepack's k-slot order (slot pair q of a
+//     16-k group holds real pair 0,2,4,6,1,3,5,7); tokens are the B operand from shared memory
+//     (K-major, 128-byte swizzle) and must be in that same order: the caller passes the
+//     activations again with each 16-k group's bf16 pairs permuted so
+//     (Mxfp4CudaGemmParams::a_kslot; zeroinfer.ops makes it in one pass), which lets the B
+//     tiles travel by 16-byte cp.async in the same ring as the weights.
+//   e4m3 (bm 64, m64n64k32): the e4m3 fragments are in real k order, so B is `a` itself. Each
+//     32-k group (one weight scale) is one wgmma from a zero accumulator, then promoted into the
+//     fp32 accumulator exactly as the decode tiles do (partial * w_scale, a_scale * 64, fma), so
+//     every tile gives bitwise the same result.
+template <bool kFp8>
 struct WgCfg {
   static constexpr bool wgmma = true;
+  static constexpr bool fp8 = kFp8;
   static constexpr int threads = 256;
-  static constexpr int strips = 8;        // 128 weight rows per CTA tile
-  static constexpr int bm = 128;          // tokens per CTA tile (wgmma N)
-  // cp.async ring of (weights, B tile) stages, loaded `ahead` stages ahead. The slot refilled
-  // at stage kt was read at stage kt + ahead - stages: with ahead = stages - 1 that is the stage
-  // just before, whose last wgmma the warpgroups wait for (wait<0>) before the stage's barrier;
-  // with fewer ahead it was retired by the wait<1> of the stage before, and the tensor cores
-  // never drain. Two CTAs share an SM (128 registers, two 41 KB stages each) and cover each
-  // other's drains.
-  static constexpr int stages = 2;
-  static constexpr int ahead = 1;
+  static constexpr int strips = 8;                // 128 weight rows per CTA tile
+  static constexpr int bm = fp8 ? 64 : 128;       // tokens per CTA tile (wgmma N)
+  // cp.async ring of (B tile, weights[, a_scale]) stages, loaded `ahead` stages ahead. The slot
+  // refilled at stage kt was read at stage kt + ahead - stages: with ahead = stages - 1 that is
+  // the stage just before, whose last wgmma the warpgroups wait for (wait<0>) before the
+  // stage's barrier; with fewer ahead it was retired by the waits of the stage before, and the
+  // tensor cores never drain. Two CTAs share an SM (<= 128 registers) and cover each other's
+  // barriers.
+  static constexpr int stages = fp8 ? 4 : 2;
+  static constexpr int ahead = fp8 ? 2 : 1;
   static constexpr int min_blocks = 2;
   static constexpr int w_bytes = strips * kStripStage;
-  static constexpr int b_bytes = bm * kBK * 2;  // one B tile: 2 panels of 64 k x 128 tokens
-  // A stage: the B tile first (1024-aligned for the swizzle), then the weights.
-  static constexpr int stage_bytes = (b_bytes + w_bytes + 1023) / 1024 * 1024;
+  static constexpr int b_row_bytes = kBK * (fp8 ? 1 : 2);  // one token's k block: 1 or 2 panels
+  static constexpr int b_bytes = bm * b_row_bytes;
+  static constexpr int s_bytes = fp8 ? bm * 4 : 0;         // the stage's a_scale column
+  // A stage: the B tile first (1024-aligned for the swizzle), then the weights, the scales.
+  static constexpr int stage_bytes = (b_bytes + w_bytes + s_bytes + 1023) / 1024 * 1024;
   // +1024: the dynamic shared window is aligned to 1024 bytes inside the kernel.
   static constexpr int pipe_bytes = stages * stage_bytes + 1024;
-  static_assert(kBK == 128, "two 64-k panels a stage");
+  static constexpr int acc_regs = bm / 2;                 // 64 x bm fp32 over 128 threads
+  static_assert(kBK == 128, "a stage is two packed 64-k blocks");
   static_assert(min_blocks * (pipe_bytes + (3 * kMxfp4CudaMaxExperts + 1) * 4 + 1024) <=
                     228 * 1024,
                 "shared memory budget (ring + the largest schedule, min_blocks CTAs an SM)");
@@ -653,26 +663,29 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   const bool out_bf16 = p.out_dtype == DType::kBFloat16;
   const bool wide = p.wide_scales;
   const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
-  // B tile copies: thread tid owns 16-byte chunk bc of token rows brow + 16 u, u = 0..7; the
-  // swizzled position of the chunk is the same in each of them (row % 8 is fixed).
-  const int bc = tid & 15, brow = tid >> 4;
-  constexpr int kBRowStep = C::threads / 16;
-  constexpr int kBUnits = C::bm / kBRowStep;  // 8
+  // B tile copies: thread tid owns 16-byte chunk bc of a token's k block (16 chunks in two
+  // 64-k panels for bf16, 8 in one for e4m3) of token rows brow + kBRowStep u; the swizzled
+  // position of the chunk is the same in each of them (row % 8 is fixed).
+  constexpr int kEsize = C::fp8 ? 1 : 2;
+  constexpr int kChunksPerRow = C::b_row_bytes / 16;
+  const int bc = tid % kChunksPerRow, brow = tid / kChunksPerRow;
+  constexpr int kBRowStep = C::threads / kChunksPerRow;
+  constexpr int kBUnits = C::bm / kBRowStep;  // 8 (bf16) or 2 (e4m3)
+  static_assert(kBRowStep % 8 == 0, "a thread's rows share row % 8");
   const uint32_t b_dst0 =
       (bc >> 3) * (C::bm * 128) + brow * 128 + (((bc & 7) ^ (brow & 7)) << 4);
+  // bf16 reads the k-slot copy of the activations, e4m3 the activations themselves.
+  const uint8_t* b_act = static_cast<const uint8_t*>(C::fp8 ? p.a : p.a_kslot);
 
 #pragma unroll 1
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
     const auto [tile_row0, tile_rows, strip0, strips_valid, wtile] = sch.tile_of(p, it);
     const bool strip_active = sidx < strips_valid;
-    const __nv_bfloat16* atile = static_cast<const __nv_bfloat16*>(p.a_kslot) +
-                                 static_cast<int64_t>(tile_row0) * k;
-
-    // Stage kt of the ring slot: the weights of this tile's strips and the B tile (rows past
-    // the tile are not copied: they only feed output columns that are discarded; k past the
-    // end is zero-filled, since it would feed every column).
-    const char* b_src0 = reinterpret_cast<const char*>(atile + static_cast<int64_t>(brow) * k) +
-                         bc * 16;
+    // Stage kt of the ring slot: the weights of this tile's strips, the B tile (rows past the
+    // tile are not copied: they only feed output columns that are discarded; k past the end is
+    // zero-filled, since it would feed every column) and, for e4m3, the tokens' a_scale column.
+    const uint8_t* b_src0 =
+        b_act + (static_cast<int64_t>(tile_row0) + brow) * k * kEsize + bc * 16;
     auto load_stage = [&](int slot_idx, int kt) {
       uint8_t* st = smem + slot_idx * C::stage_bytes;
       const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
@@ -682,20 +695,25 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           cp_async16(smem_u32(st + C::b_bytes + i * kStripStage + off),
                      wk + static_cast<int64_t>(i) * kb_total * kBlk + off, true);
       }
-      const bool kvalid = kt * kBK + bc * 8 < k;
+      const bool kvalid = kt * kBK + bc * (16 / kEsize) < k;
       const uint32_t bdst = smem_u32(st) + b_dst0;
-      const char* bsrc = b_src0 + kt * (kBK * 2);
+      const uint8_t* bsrc = b_src0 + kt * C::b_row_bytes;
 #pragma unroll
       for (int u = 0; u < kBUnits; ++u) {
         if (brow + u * kBRowStep < tile_rows)
           cp_async16(bdst + u * kBRowStep * 128,
-                     kvalid ? bsrc + static_cast<int64_t>(u) * kBRowStep * k * 2 : p.a_kslot,
+                     kvalid ? bsrc + static_cast<int64_t>(u) * kBRowStep * k * kEsize : b_act,
                      kvalid);
       }
+      if constexpr (C::fp8) {  // k % 128 == 0 for e4m3: every stage is whole
+        if (tid < tile_rows)
+          cp_async4(smem_u32(st + C::b_bytes + C::w_bytes + tid * 4),
+                    p.a_scale + static_cast<int64_t>(tile_row0 + tid) * (k / kBK) + kt);
+      }
     };
-    float acc[64];
+    float acc[C::acc_regs];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int i = 0; i < C::acc_regs; ++i) acc[i] = 0.f;
 
     // Prologue: stages 0 .. ahead-1 in flight.
 #pragma unroll 1
@@ -705,12 +723,13 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     }
 
     int rd_slot = 0, wr_slot = C::ahead;
-    // One k stage = 8 k16 steps, one wgmma group each. Step s's A fragment is decoded (SIMT)
-    // into register set s & 1 while step s-1's wgmma runs; wait<1> after each issue retires the
-    // group that read the set the next decode overwrites (and, at a stage's last step, every
-    // group of the stage before). The wgmma of a stage's last step is still running when the
-    // next stage starts.
-    uint32_t a[2][4];
+    // One k stage. bf16: 8 k16 steps, one wgmma group each; step s's A fragment is decoded
+    // (SIMT) into register set s & 1 while step s-1's wgmma runs; wait<1> after each issue
+    // retires the group that read the set the next decode overwrites (and, at a stage's last
+    // step, every group of the stage before); the wgmma of a stage's last step is still running
+    // when the next stage starts. e4m3: 4 k32 groups, each waited for and promoted in turn
+    // (the other warpgroup and the other CTA of the SM keep the tensor cores busy meanwhile).
+    [[maybe_unused]] uint32_t a[2][4];
 #pragma unroll 1
     for (int kt = 0; kt < kt_total; ++kt) {
       if constexpr (C::ahead == C::stages - 1) wgmma::wait<0>();
@@ -729,32 +748,74 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
       rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
 
-      uint4 wq[2];
-      uint32_t m1[2][4], m2[2][4];
+      if constexpr (!C::fp8) {
+        uint4 wq[2];
+        uint32_t m1[2][4], m2[2][4];
 #pragma unroll
-      for (int kb = 0; kb < 2; ++kb) {
-        const uint8_t* blk = wst + kb * kBlk;
-        wq[kb] = *reinterpret_cast<const uint4*>(blk + lane * 16);
-        bf16_multipliers(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), wide, m1[kb],
-                         m2[kb]);
-        // A strip past the weight rows decodes stale shared memory: its output rows are
-        // discarded, and a zero multiplier keeps them finite.
+        for (int kb = 0; kb < 2; ++kb) {
+          const uint8_t* blk = wst + kb * kBlk;
+          wq[kb] = *reinterpret_cast<const uint4*>(blk + lane * 16);
+          bf16_multipliers(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), wide, m1[kb],
+                           m2[kb]);
+          // A strip past the weight rows decodes stale shared memory: its output rows are
+          // discarded, and a zero multiplier keeps them finite.
 #pragma unroll
-        for (int i = 0; i < 4; ++i) m1[kb][i] = strip_active ? m1[kb][i] : 0u;
-      }
+          for (int i = 0; i < 4; ++i) m1[kb][i] = strip_active ? m1[kb][i] : 0u;
+        }
 #pragma unroll
-      for (int step = 0; step < 8; ++step) {  // step = real 16-k group of the stage
-        const int kb = step >> 2, s2 = (step >> 1) & 1, h = step & 1;
-        uint32_t(&f)[4] = a[step & 1];
-        decode_bf16_scaled(word_of(wq[kb], 2 * s2 + h), m1[kb], m2[kb], s2, wide, f);
-        uint64_t desc[1] = {
-            wgmma::desc_sw128(b_base + (step >> 2) * (C::bm * 128) + (step & 3) * 32, 16, 1024)};
-        wgmma::fence_operands(f);
-        wgmma::fence_operands(desc);
-        wgmma::fence();
-        wgmma::wgmma_m64n128k16_bf16_rs(acc, f, desc[0]);
-        wgmma::commit();
-        wgmma::wait<1>();
+        for (int step = 0; step < 8; ++step) {  // step = real 16-k group of the stage
+          const int kb = step >> 2, s2 = (step >> 1) & 1, h = step & 1;
+          uint32_t(&f)[4] = a[step & 1];
+          decode_bf16_scaled(word_of(wq[kb], 2 * s2 + h), m1[kb], m2[kb], s2, wide, f);
+          uint64_t desc[1] = {
+              wgmma::desc_sw128(b_base + (step >> 2) * (C::bm * 128) + (step & 3) * 32, 16, 1024)};
+          wgmma::fence_operands(f);
+          wgmma::fence_operands(desc);
+          wgmma::fence();
+          wgmma::wgmma_m64n128k16_bf16_rs(acc, f, desc[0]);
+          wgmma::commit();
+          wgmma::wait<1>();
+        }
+      } else {
+        // e4m3: per 32-k group (one weight scale), a wgmma from zero, then the promotion the
+        // decode tiles do: acc = fma(partial * w_scale, a_scale * 64, acc), in k order.
+        // (The token scales are re-read from shared memory for each group rather than held:
+        // 16 more registers would not fit two CTAs an SM.)
+        const float* sst = reinterpret_cast<const float*>(stage_base + C::b_bytes + C::w_bytes);
+#pragma unroll
+        for (int kb = 0; kb < 2; ++kb) {
+          const uint8_t* blk = wst + kb * kBlk;
+          const uint4 wq = *reinterpret_cast<const uint4*>(blk + lane * 16);
+          const uint32_t sc = *reinterpret_cast<const uint32_t*>(blk + 512 + g * 4);
+#pragma unroll
+          for (int s2 = 0; s2 < 2; ++s2) {
+            uint32_t f[4];
+            decode_e4m3_raw(word_of(wq, 2 * s2), f[0], f[1]);
+            decode_e4m3_raw(word_of(wq, 2 * s2 + 1), f[2], f[3]);
+            const float wg = ue8m0_to_float(static_cast<uint8_t>(sc >> (8 * s2)));
+            const float w8 = ue8m0_to_float(static_cast<uint8_t>(sc >> (8 * (2 + s2))));
+            uint64_t desc[1] = {wgmma::desc_sw128(b_base + (kb * 2 + s2) * 32, 16, 1024)};
+            float part[C::acc_regs];
+#pragma unroll
+            for (int i = 0; i < C::acc_regs; ++i) part[i] = 0.f;
+            wgmma::fence_operands(f);
+            wgmma::fence_operands(desc);
+            wgmma::fence();
+            wgmma::wgmma_m64n64k32_e4m3_rs(part, f, desc[0], false);
+            wgmma::commit();
+            wgmma::wait<0>();
+            wgmma::fence_operands(part);
+#pragma unroll
+            for (int j = 0; j < C::bm / 8; ++j) {  // this thread's tokens 8 j + 2 t (+1)
+              const float2 as = *reinterpret_cast<const float2*>(sst + j * 8 + 2 * t);
+              const float as0 = as.x * 64.f, as1 = as.y * 64.f;
+              acc[4 * j + 0] = fmaf(part[4 * j + 0] * wg, as0, acc[4 * j + 0]);
+              acc[4 * j + 1] = fmaf(part[4 * j + 1] * wg, as1, acc[4 * j + 1]);
+              acc[4 * j + 2] = fmaf(part[4 * j + 2] * w8, as0, acc[4 * j + 2]);
+              acc[4 * j + 3] = fmaf(part[4 * j + 3] * w8, as1, acc[4 * j + 3]);
+            }
+          }
+        }
       }
     }
     wgmma::wait<0>();
@@ -858,13 +919,13 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
                   : (p.m >= 0 && p.m < (int64_t{1} << 31)),
            "row count out of the CUDA kernel's int32 range");
   ZI_CHECK(p.tile >= 0 && p.tile <= 4,
-           "tile must be 0 (auto), 1 (small), 2 (large), 3 (tiny) or 4 (wgmma, bf16 only)");
-  ZI_CHECK(p.tile != 4 || p.a_dtype == DType::kBFloat16,
-           "tile 4 (wgmma) takes bfloat16 activations only");
+           "tile must be 0 (auto), 1 (small), 2 (large), 3 (tiny) or 4 (wgmma)");
   const Mxfp4CudaPlan plan = mxfp4_cuda_plan(p.a_dtype == DType::kFloat8E4M3, masked, p.m,
                                              p.num_experts, p.cap, p.tile);
-  ZI_CHECK((p.a_kslot != nullptr) == mxfp4_plan_uses(plan, 4),
-           "a_kslot (the activations in k-slot order) goes with the wgmma tile, and only with it");
+  ZI_CHECK((p.a_kslot != nullptr) ==
+               (p.a_dtype == DType::kBFloat16 && mxfp4_plan_uses(plan, 4)),
+           "a_kslot (the activations in k-slot order) goes with the bf16 wgmma tile, and only "
+           "with it");
   ZI_CHECK(plan.split_rows < INT32_MAX, "split_rows out of range");
   auto s = static_cast<cudaStream_t>(stream);
   auto run = [&](int tile, int32_t rows_lo, int32_t rows_hi) {
@@ -872,7 +933,9 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
     q.rows_lo = rows_lo;
     q.rows_hi = rows_hi;
     if (q.a_dtype == DType::kFloat8E4M3) {
-      if (tile == 2)
+      if (tile == 4)
+        launch<WgCfg<true>>(q, s);
+      else if (tile == 2)
         launch<LargeCfg<true>>(q, s);
       else if (tile == 3)
         launch<TinyCfg<true>>(q, s);
@@ -880,7 +943,7 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
         launch<SmallCfg<true>>(q, s);
     } else {
       if (tile == 4)
-        launch<WgCfg>(q, s);
+        launch<WgCfg<false>>(q, s);
       else if (tile == 2)
         launch<LargeCfg<false>>(q, s);
       else if (tile == 3)

@@ -343,16 +343,16 @@ DEV = torch.device("cuda")
 
 @pytest.fixture
 def tile(request):
-    """Run the kernel with a forced tile shape (1 small-M, 2 large-M, 3 tiny-M, 4 wgmma for bf16
-    activations), restoring auto after."""
+    """Run the kernel with a forced tile shape (1 small-M, 2 large-M, 3 tiny-M, 4 wgmma),
+    restoring auto after."""
     old = mg._FORCE_TILE
     yield lambda v: setattr(mg, "_FORCE_TILE", v)
     mg._FORCE_TILE = old
 
 
 def _tiles(dtype):
-    """Every tile shape the activation dtype can run (the wgmma tile is bf16 only)."""
-    return (1, 2, 3, 4) if dtype == torch.bfloat16 else (1, 2, 3)
+    """Every tile shape (each runs both activation types)."""
+    return (1, 2, 3, 4)
 
 
 def _to(x):
@@ -439,8 +439,6 @@ def check_vs_ref(got, c, out_dtype, what):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 def test_cuda_matches_reference(gen, tile, dtype, masked, mode, out_dtype, tile_shape):
-    if tile_shape == 4 and dtype == FP8:
-        pytest.skip("the wgmma tile takes bf16 activations")
     tile(tile_shape)
     c = make_case(gen, E=6, N=192, K=384, dtype=dtype, masked=masked, mode=mode)
     got = run_cuda(c, out_dtype=out_dtype)
@@ -524,10 +522,9 @@ def test_cuda_tiles_and_batches_bitwise_equal(gen, tile, dtype):
     assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), "tile 1 vs tile 2"
     assert torch.equal(outs[0].view(torch.int32), outs[2].view(torch.int32)), "tile 1 vs tile 3"
     assert torch.equal(outs[0].view(torch.int32), outs[3].view(torch.int32)), "not deterministic"
-    if dtype == torch.bfloat16:  # the wgmma tile: same k16 steps in the same order
-        tile(4)
-        wg = run_cuda(c, out_dtype=torch.float32, check=False)
-        assert torch.equal(outs[0].view(torch.int32), wg.view(torch.int32)), "tile 1 vs tile 4"
+    tile(4)  # the wgmma tile: the same k16 / k32 steps, promoted in the same order
+    wg = run_cuda(c, out_dtype=torch.float32, check=False)
+    assert torch.equal(outs[0].view(torch.int32), wg.view(torch.int32)), "tile 1 vs tile 4"
     # expert 3's rows alone (everything else empty), at a different row offset
     off = c["layout"]["expert_offsets"]
     lo, hi = int(off[3]), int(off[4])

@@ -105,12 +105,13 @@ struct Mxfp4CudaGemmParams {
   float swiglu_limit = 0.f;
   // 0: the plan from the shapes (mxfp4_cuda_plan); 1: small-M tile (64 weight rows x 32 tokens,
   // decode); 2: large-M tile (256 x 128, mma.sync); 3: tiny-M tile (64 x 8, decode with <= 8
-  // rows per expert: 6-7 CTAs per SM); 4: wgmma tile (128 x 128, bf16 activations, prefill). A
-  // tile other than 0 runs every expert. Every tile gives bitwise the same result.
+  // rows per expert: 6-7 CTAs per SM); 4: wgmma tile (prefill: 128 x 128 for bf16, 128 x 64 for
+  // float8). A tile other than 0 runs every expert. Every tile gives bitwise the same result.
   int tile = 0;
   // The activations again (same layout and dtype) with each 16-k group's bf16 pairs in the
   // packed weights' k-slot order (slot pair q <- real pair 0,2,4,6,1,3,5,7): what the wgmma tile
-  // reads. Required exactly when the plan runs tile 4 (zeroinfer.ops makes it in one pass).
+  // reads for bf16. Required exactly when the plan runs tile 4 on bf16 activations
+  // (zeroinfer.ops makes it in one pass); the float8 wgmma tile reads `a`.
   const void* a_kslot = nullptr;
   // Set by mxfp4_grouped_gemm_cuda for each launch of a split plan: a launch computes only the
   // experts with rows_lo <= rows < rows_hi (rows read on the device).

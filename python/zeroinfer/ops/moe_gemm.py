@@ -31,8 +31,8 @@ def _name(d: torch.dtype) -> str:
 
 _INT32_LIMIT = 2**31
 # Tile shape of the CUDA kernel: 0 = planned from the shapes (_C.mxfp4_cuda_plan), 1 = small-M,
-# 2 = large-M (mma.sync), 3 = tiny-M (decode, <= 8 rows per expert per tile), 4 = wgmma (bf16
-# activations, prefill). Tests set it to run every shape on the same inputs (every shape gives
+# 2 = large-M (mma.sync), 3 = tiny-M (decode, <= 8 rows per expert per tile), 4 = wgmma
+# (prefill). Tests set it to run every shape on the same inputs (every shape gives
 # bitwise the same result).
 _FORCE_TILE = 0
 
@@ -287,9 +287,10 @@ def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_
     dev = a.device
     tile, big_tile, split_rows = _C.mxfp4_cuda_plan(a.dtype == _FP8, masked_m is not None,
                                                     m_rows, num_experts, cap, _FORCE_TILE)
-    # The wgmma tile reads its own copy of the activations in k-slot order (contiguous, so
-    # 16-byte aligned rows).
-    a_kslot = _kslot_order(a) if 4 in (tile, big_tile if split_rows else 0) else None
+    # The bf16 wgmma tile reads its own copy of the activations in k-slot order (contiguous,
+    # so 16-byte aligned rows); the e4m3 one reads `a` as it is.
+    wgmma = 4 in (tile, big_tile if split_rows else 0)
+    a_kslot = _kslot_order(a) if wgmma and a.dtype == torch.bfloat16 else None
     if a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
         a = a.clone()
     args = (ptr(a), dtype_code(a), ptr(a_scale), ptr(pw.data), pw.n_pad, pw.k_pad,
