@@ -677,64 +677,52 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   // bf16 reads the k-slot copy of the activations, e4m3 the activations themselves.
   const uint8_t* b_act = static_cast<const uint8_t*>(C::fp8 ? p.a : p.a_kslot);
 
-  // Stage kt of item w into a ring slot: the weights of its strips, the B tile (rows past the
-  // tile are not copied: they only feed output columns that are discarded; k past the end is
-  // zero-filled, since it would feed every column) and, for e4m3, the tokens' a_scale column.
-  auto load_stage = [&](int slot_idx, const ItemTile& w, int kt) {
-    uint8_t* st = smem + slot_idx * C::stage_bytes;
-    const uint8_t* wk = w.wtile + static_cast<int64_t>(kt) * kStripStage;
-    for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
-      const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
-      if (i < w.strips_valid)
-        cp_async16(smem_u32(st + C::b_bytes + i * kStripStage + off),
-                   wk + static_cast<int64_t>(i) * kb_total * kBlk + off, true);
-    }
-    const bool kvalid = kt * kBK + bc * (16 / kEsize) < k;
-    const uint32_t bdst = smem_u32(st) + b_dst0;
-    const uint8_t* bsrc = b_act + (static_cast<int64_t>(w.tile_row0) + brow) * k * kEsize +
-                          bc * 16 + kt * C::b_row_bytes;
-#pragma unroll
-    for (int u = 0; u < kBUnits; ++u) {
-      if (brow + u * kBRowStep < w.tile_rows)
-        cp_async16(bdst + u * kBRowStep * 128,
-                   kvalid ? bsrc + static_cast<int64_t>(u) * kBRowStep * k * kEsize : b_act,
-                   kvalid);
-    }
-    if constexpr (C::fp8) {  // k % 128 == 0 for e4m3: every stage is whole
-      if (tid < w.tile_rows)
-        cp_async4(smem_u32(st + C::b_bytes + C::w_bytes + tid * 4),
-                  p.a_scale + static_cast<int64_t>(w.tile_row0 + tid) * (k / kBK) + kt);
-    }
-  };
-  // The ring runs across items: the load cursor (ld_it, ld_kt) walks this CTA's stages in
-  // order, so the first stages of the next item are in flight while the current one finishes
-  // and stores its outputs.
-  int64_t ld_it = blockIdx.x;
-  int ld_kt = 0;
-  ItemTile ld = ld_it < items ? sch.tile_of(p, ld_it) : ItemTile{};
-  auto load_next = [&](int slot_idx) {
-    if (ld_it < items) {
-      load_stage(slot_idx, ld, ld_kt);
-      if (++ld_kt == kt_total) {
-        ld_kt = 0;
-        ld_it += gridDim.x;
-        if (ld_it < items) ld = sch.tile_of(p, ld_it);
-      }
-    }
-    cp_async_commit();
-  };
-#pragma unroll 1
-  for (int st = 0; st < C::ahead; ++st) load_next(st);
-  int rd_slot = 0, wr_slot = C::ahead;
-
 #pragma unroll 1
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const ItemTile cur = sch.tile_of(p, it);
-    const bool strip_active = sidx < cur.strips_valid;
+    const auto [tile_row0, tile_rows, strip0, strips_valid, wtile] = sch.tile_of(p, it);
+    const bool strip_active = sidx < strips_valid;
+    // Stage kt of the ring slot: the weights of this tile's strips, the B tile (rows past the
+    // tile are not copied: they only feed output columns that are discarded; k past the end is
+    // zero-filled, since it would feed every column) and, for e4m3, the tokens' a_scale column.
+    const uint8_t* b_src0 =
+        b_act + (static_cast<int64_t>(tile_row0) + brow) * k * kEsize + bc * 16;
+    auto load_stage = [&](int slot_idx, int kt) {
+      uint8_t* st = smem + slot_idx * C::stage_bytes;
+      const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
+      for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
+        const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
+        if (i < strips_valid)
+          cp_async16(smem_u32(st + C::b_bytes + i * kStripStage + off),
+                     wk + static_cast<int64_t>(i) * kb_total * kBlk + off, true);
+      }
+      const bool kvalid = kt * kBK + bc * (16 / kEsize) < k;
+      const uint32_t bdst = smem_u32(st) + b_dst0;
+      const uint8_t* bsrc = b_src0 + kt * C::b_row_bytes;
+#pragma unroll
+      for (int u = 0; u < kBUnits; ++u) {
+        if (brow + u * kBRowStep < tile_rows)
+          cp_async16(bdst + u * kBRowStep * 128,
+                     kvalid ? bsrc + static_cast<int64_t>(u) * kBRowStep * k * kEsize : b_act,
+                     kvalid);
+      }
+      if constexpr (C::fp8) {  // k % 128 == 0 for e4m3: every stage is whole
+        if (tid < tile_rows)
+          cp_async4(smem_u32(st + C::b_bytes + C::w_bytes + tid * 4),
+                    p.a_scale + static_cast<int64_t>(tile_row0 + tid) * (k / kBK) + kt);
+      }
+    };
     float acc[C::acc_regs];
 #pragma unroll
     for (int i = 0; i < C::acc_regs; ++i) acc[i] = 0.f;
 
+    // Prologue: stages 0 .. ahead-1 in flight.
+#pragma unroll 1
+    for (int st = 0; st < C::ahead; ++st) {
+      if (st < kt_total) load_stage(st, st);
+      cp_async_commit();
+    }
+
+    int rd_slot = 0, wr_slot = C::ahead;
     // One k stage. bf16: 8 k16 steps, one wgmma group each; step s's A fragment is decoded
     // (SIMT) into register set s & 1 while step s-1's wgmma runs; wait<1> after each issue
     // retires the group that read the set the next decode overwrites (and, at a stage's last
@@ -747,11 +735,13 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       if constexpr (C::ahead == C::stages - 1) wgmma::wait<0>();
       cp_async_wait<C::ahead - 1>();
       // This thread's copies of stage kt landed -> visible to the tensor cores' async proxy,
-      // then everyone's (the barrier, which also orders every warpgroup's retirement of the
-      // stage that last read the slot refilled below).
+      // then everyone's (the barrier, which also orders every warpgroup's retirement of stage
+      // kt-2 before the refill of its slot below).
       wgmma::fence_proxy_async();
       __syncthreads();
-      load_next(wr_slot);
+      const int nk = kt + C::ahead;
+      if (nk < kt_total) load_stage(wr_slot, nk);
+      cp_async_commit();
       const uint8_t* stage_base = smem + rd_slot * C::stage_bytes;
       const uint8_t* wst = stage_base + C::b_bytes + sidx * kStripStage;
       const uint32_t b_base = smem_u32(stage_base);
@@ -830,17 +820,19 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     }
     wgmma::wait<0>();
     wgmma::fence_operands(acc);
+    cp_async_wait<0>();
+    __syncthreads();  // the next item's prologue overwrites every stage and B tile
+
     if (strip_active) {
-      const int nj = (cur.tile_rows + 7) / 8;
+      const int nj = (tile_rows + 7) / 8;
 #pragma unroll
       for (int j = 0; j < C::bm / 8; ++j) {
         if (j < nj)
-          store_fragment(p, out_bf16, n_out, cur.strip0 + sidx, g, j * 8 + 2 * t, cur.tile_row0,
-                         cur.tile_rows, acc + 4 * j);
+          store_fragment(p, out_bf16, n_out, strip0 + sidx, g, j * 8 + 2 * t, tile_row0,
+                         tile_rows, acc + 4 * j);
       }
     }
   }
-  cp_async_wait<0>();  // (only empty groups can be left)
 }
 
 // ---- host side ---------------------------------------------------------------------------------
