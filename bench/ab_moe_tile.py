@@ -1,5 +1,6 @@
-"""A/B of the MXFP4 grouped GEMM's tile shapes on the H200 at V4-Flash expert shapes: the
-mma.sync small (1) and large (2) tiles against the wgmma tile (4), each forced for every expert,
+"""A/B of the MXFP4 grouped GEMM's tile shapes on the H200 at V4-Flash expert shapes: for bf16 the
+mma.sync small (1) and large (2) tiles against the wgmma tile (4), for float8 the tiny (3),
+small (1) and prefill (4) wgmma tiles, each forced for every expert,
 checked against each other (relative error, bitwise equality) and timed (CUDA-graph replay, L2
 flushed), with TFLOP/s and the fraction of the bf16 (or, with `fp8`, the measured fp8) peak.
 Used for every step in bench/results/h200/moe_gemm_NOTES.md (session 4).
@@ -39,15 +40,16 @@ for name, (n, k, fuse) in {"gate_up": (2 * INTER, HIDDEN, True), "down": (HIDDEN
                                              expert_offsets=offsets, fuse_swiglu=fuse,
                                              swiglu_limit=LIMIT if fuse else None)
             res = {}
-            for tile in (1, 2, 4):
+            tiles = (3, 1, 4) if fp8 else (1, 2, 4)  # float8's tile 2 is tile 4
+            for tile in tiles:
                 mg._FORCE_TILE = tile
                 out = run().float()
                 t = bench.time_cuda_graph(run, warmup=3, reps=20)
                 res[tile] = (out, t)
             mg._FORCE_TILE = 0
-            ref = res[2][0]
+            ref = res[tiles[1]][0]
             err = float((res[4][0] - ref).norm() / ref.norm().clamp(min=1e-30))
-            same = torch.equal(res[4][0], ref) and torch.equal(res[1][0], ref)
+            same = all(torch.equal(res[tl][0], ref) for tl in tiles)
             flops = 2.0 * m * n * k
             line = " ".join(f"tile{tl} {t * 1e6:8.1f} us {flops / t / 1e12:6.1f} TF/s "
                             f"({flops / t / peak:.0%})" for tl, (_, t) in res.items())

@@ -13,9 +13,11 @@
 //     exact multiplies when a scale byte exceeds 128) folds in the bias and the UE8M0 scale,
 //     exactly. mma.sync m16n8k16 bf16 with float32 accumulation, in k order.
 //   W4A8 (e4m3 activations, per-token per-128 float32 scales): e2m1 -> e4m3 is exact the same way
-//     (bits s<<7 | c<<2 = value * 2^-6). One mma.sync m16n8k32 e4m3 per 32-wide weight scale
-//     group from a zero accumulator, then acc = fma(partial * w_scale, a_scale * 64, acc) in
-//     float32 (exact power-of-two product first; the 64 undoes the 2^-6 of the decode).
+//     (bits s<<7 | c<<2 = value * 2^-6). One wgmma m64nNk32 e4m3 per 32-wide weight scale group
+//     from a zero accumulator, then acc = fma(partial * w_scale, a_scale * 64, acc) in float32
+//     (exact power-of-two product first; the 64 undoes the 2^-6 of the decode). Always wgmma:
+//     Hopper's float8 wgmma rounds a k32 group differently from mma.sync m16n8k32 (measured ~4e-4
+//     apart), so one instruction family keeps every float8 tile bitwise equal.
 //
 // K order: the MMA's k index is a permutation of the real k inside every 32-group (weights and
 // activations are permuted alike, so the dot product is unchanged): lane t of a k16 step holds
@@ -23,16 +25,18 @@
 // or 2 x 4 (e4m3) consecutive bytes of its token's row.
 //
 // Tiles: a CTA computes BN weight rows x BM tokens of one expert over the whole K (no split-K, so
-// no cross-CTA reduction), with a kStages-deep cp.async pipeline of BK = 128 (weights, tokens and
-// the float8 scales of that k block). Four shapes; mxfp4_cuda_plan picks one from the shapes, or
-// two, split between the experts on the device by their row counts (skewed routing):
-//   tiny:  4 warps x (16 rows x 8 tokens) = 64 x 8     (decode, < 4 rows per expert on average:
-//          72-76 registers and a small activation stage, so 6-7 CTAs / 24-28 warps per SM)
-//   small: 4 warps x (16 rows x 32 tokens) = 64 x 32   (decode; n8 steps past the expert's rows
-//          are skipped, so 1..8 tokens cost one mma per weight fragment)
-//   large: 8 warps as 4 (N) x 2 (M), warp tile 64 x 64 = 256 x 128 (prefill, float8)
-//   wgmma: 2 warpgroups x 64 rows x 128 tokens on wgmma (prefill, bf16; see WgCfg), whose k16
-//          reduction gives bitwise the results of the mma.sync tiles (tested)
+// no cross-CTA reduction), with a cp.async pipeline of BK = 128 stages (weights, tokens and the
+// float8 scales of that k block). mxfp4_cuda_plan picks one shape from the shapes, or two, split
+// between the experts on the device by their row counts (skewed routing):
+//   tiny:  64 rows x 8 tokens (decode, < 4 rows per expert on average; ~75 registers and a small
+//          activation stage, so 6 CTAs / 24 warps per SM)
+//   small: 64 rows x 32 tokens (decode; bf16 skips the n8 steps past the expert's rows, so 1..8
+//          tokens cost one mma per weight fragment)
+//   large: bf16 only, 8 warps as 4 (N) x 2 (M), warp tile 64 x 64 = 256 x 128 (mma.sync)
+//   wgmma: 2 warpgroups x 64 rows x 128 (bf16) / 64 (float8) tokens (prefill; see WgCfg)
+// bf16 runs tiny / small / large on mma.sync m16n8k16 (Cfg) and the prefill tile on wgmma, whose
+// k16 reduction gives bitwise the results of the mma.sync tiles (tested); float8 runs every
+// shape on wgmma (WgCfg: 1 warpgroup for tiny and small).
 // Persistent grid: each CTA builds the per-expert tile prefix ON THE DEVICE from the offsets /
 // counts / masked_m (no host sync), then walks the work items (tile slot, N tile) with a grid
 // stride; slots past the device-computed total exit. Rows of a tile past the expert's count are
@@ -62,10 +66,11 @@ constexpr int kStripChunks = kStripStage / 16;        // 16-byte cp.async chunks
 static_assert(kStripStage % 16 == 0, "strip stage must be 16-byte chunks");
 static_assert(kMxfp4PackK % kBK == 0, "packed k must be whole stages");
 
-template <bool kFp8_, int kWarpsN, int kWarpsM, int kWN, int kWT, int kStages, int kMinBlocks>
+// The mma.sync tiles (bf16 activations only; float8 runs on wgmma everywhere, see WgCfg).
+template <int kWarpsN, int kWarpsM, int kWN, int kWT, int kStages, int kMinBlocks>
 struct Cfg {
   static constexpr bool wgmma = false;
-  static constexpr bool fp8 = kFp8_;
+  static constexpr bool fp8 = false;
   static constexpr int warps_n = kWarpsN;
   static constexpr int wn = kWN;  // 16-row strips per warp
   static constexpr int wt = kWT;  // 8-token steps per warp
@@ -75,78 +80,86 @@ struct Cfg {
   static constexpr int bm = 8 * kWT * kWarpsM;   // tokens per CTA tile
   static constexpr int strips = bn / 16;
   static constexpr int w_bytes = strips * kStripStage;
-  // Token row pitch in shared memory: 288 B (bf16) / 144 B (e4m3) make the fragment loads of a
-  // warp (8 rows x 4 lanes) hit distinct banks.
-  static constexpr int a_pitch = fp8 ? kBK + 16 : kBK * 2 + 32;
+  // Token row pitch in shared memory: 288 B make the fragment loads of a warp (8 rows x 4 lanes)
+  // hit distinct banks.
+  static constexpr int a_pitch = kBK * 2 + 32;
   static constexpr int a_bytes = bm * a_pitch;
-  static constexpr int s_bytes = fp8 ? bm * 4 : 0;
-  static constexpr int stage_bytes = w_bytes + a_bytes + s_bytes;
+  static constexpr int stage_bytes = w_bytes + a_bytes;
   static constexpr int pipe_bytes = kStages * stage_bytes;  // the schedule arrays follow
-  static constexpr int chunks_per_row = fp8 ? kBK / 16 : kBK * 2 / 16;
+  static constexpr int chunks_per_row = kBK * 2 / 16;
   static constexpr int w_chunks = (strips * kStripChunks + threads - 1) / threads;
   static_assert(stage_bytes % 16 == 0, "stage must keep 16-byte alignment");
   // A warp's strips never straddle the end of the packed rows (kMxfp4PackRows / 16 = 8 strips).
   static_assert((kMxfp4PackRows / 16) % kWN == 0, "warp strips must divide the row padding");
 };
 
-template <bool F>
-using SmallCfg = Cfg<F, 4, 1, 1, 4, 5, 3>;
+using SmallCfg = Cfg<4, 1, 1, 4, 5, 3>;
 // Tiny decode tile: 4 warps x (16 rows x 8 tokens) = 64 x 8. Same per-warp work as the small tile
 // for <= 8 rows per expert, but a 4x smaller activation stage and a 4-token-step smaller
-// accumulator, so 6 (bf16, <= 80 registers) / 7 (float8, <= 72) CTAs fit an SM instead of 3: more
-// warps to hide the decode's dependency latency. Five stages each; measured on the H200 against
-// 5 CTAs x 6-7 stages (+3-4% of HBM at 1-32 tokens) and bf16 at 7 CTAs x 4 stages (slower).
-template <bool F>
-using TinyCfg = Cfg<F, 4, 1, 1, 1, 5, F ? 7 : 6>;
-template <bool F>
-using LargeCfg = Cfg<F, 4, 2, 4, 8, 3, 1>;
+// accumulator, so 6 CTAs (<= 80 registers) fit an SM instead of 3: more warps to hide the
+// decode's dependency latency. Five stages; measured on the H200 against 5 CTAs x 6 stages (+3-4%
+// of HBM at 1-32 tokens) and 7 CTAs x 4 stages (slower).
+using TinyCfg = Cfg<4, 1, 1, 1, 5, 6>;
+using LargeCfg = Cfg<4, 2, 4, 8, 3, 1>;
 
 
-// wgmma tile (prefill; tile = 4): two warpgroups x 64 weight rows (warp w of warpgroup cw owns
-// packed strip 4 cw + w) x bm tokens. Weights are the wgmma A operand taken from registers (the
-// RS form): a warp's RS fragment is the mma.m16n8k16 (bf16) / m16n8k32 (e4m3) A fragment of its
-// 16 rows, i.e. exactly what the decode tiles' decoders give from the lane's prepacked word.
-//   bf16 (bm 128, m64n128k16): the word's k order is the prepack's k-slot order (slot pair q of a
-//     16-k group holds real pair 0,2,4,6,1,3,5,7); tokens are the B operand from shared memory
-//     (K-major, 128-byte swizzle) and must be in that same order: the caller passes the
-//     activations again with each 16-k group's bf16 pairs permuted so
-//     (Mxfp4CudaGemmParams::a_kslot; zeroinfer.ops makes it in one pass), which lets the B
-//     tiles travel by 16-byte cp.async in the same ring as the weights.
-//   e4m3 (bm 64, m64n64k32): the e4m3 fragments are in real k order, so B is `a` itself. Each
-//     32-k group (one weight scale) is one wgmma from a zero accumulator, then promoted into the
-//     fp32 accumulator exactly as the decode tiles do (partial * w_scale, a_scale * 64, fma), so
-//     every tile gives bitwise the same result.
-template <bool kFp8>
+// The wgmma tiles: kGroups warpgroups x 64 weight rows (warp w of warpgroup cw owns packed strip
+// 4 cw + w) x bm tokens. Weights are the wgmma A operand taken from registers (the RS form): a
+// warp's RS fragment is the mma.m16n8k16 (bf16) / m16n8k32 (e4m3) A fragment of its 16 rows,
+// i.e. exactly what the decoders give from the lane's prepacked word.
+//   bf16 (prefill: 2 x 64 rows x 128 tokens, m64n128k16): the word's k order is the prepack's
+//     k-slot order (slot pair q of a 16-k group holds real pair 0,2,4,6,1,3,5,7); tokens are the B
+//     operand from shared memory (K-major, 128-byte swizzle) and must be in that same order: the
+//     caller passes the activations again with each 16-k group's bf16 pairs permuted so
+//     (Mxfp4CudaGemmParams::a_kslot; zeroinfer.ops makes it in one pass), which lets the B tiles
+//     travel by 16-byte cp.async in the same ring as the weights. Its k16 reduction gives
+//     bitwise the results of the mma.sync tiles (tested).
+//   e4m3 (every float8 tile: m64 n{bm} k32): the e4m3 fragments are in real k order, so B is `a`
+//     itself. Each 32-k group (one weight scale) is one wgmma from a zero accumulator, then
+//     promoted into the fp32 accumulator (partial * w_scale, a_scale * 64, fma) in k order. Hopper's
+//     float8 wgmma sums a k32 group at a lower precision than mma.sync m16n8k32 does (measured:
+//     ~4e-4 relative apart), so float8 runs on wgmma at every size, decode included, and its
+//     tiles stay bitwise equal to each other. `parts` k32 groups are issued before one wait (the
+//     decode tiles' latency is the wgmma round trip, and their partials are small).
+// Shared memory: a ring of `stages` (B tile, weights[, a_scale column]) stages, loaded `ahead`
+// stages ahead; B tiles first (each a whole number of 1024-byte swizzle atoms), then the rest.
+// The slot refilled at stage kt was read at stage kt + ahead - stages: with ahead = stages - 1
+// that is the stage just before, whose last wgmma the warpgroups wait for (wait<0>) before the
+// stage's barrier (float8 waits for every group inside its stage anyway); with fewer ahead it was
+// retired by the waits of the stage before, and the tensor cores never drain.
+template <bool kFp8, int kGroups, int kBM, int kStages, int kAhead, int kMinBlocks>
 struct WgCfg {
   static constexpr bool wgmma = true;
   static constexpr bool fp8 = kFp8;
-  static constexpr int threads = 256;
-  static constexpr int strips = 8;                // 128 weight rows per CTA tile
-  static constexpr int bm = fp8 ? 64 : 128;       // tokens per CTA tile (wgmma N)
-  // cp.async ring of (B tile, weights[, a_scale]) stages, loaded `ahead` stages ahead. The slot
-  // refilled at stage kt was read at stage kt + ahead - stages: with ahead = stages - 1 that is
-  // the stage just before, whose last wgmma the warpgroups wait for (wait<0>) before the
-  // stage's barrier; with fewer ahead it was retired by the waits of the stage before, and the
-  // tensor cores never drain. Two CTAs share an SM (<= 128 registers) and cover each other's
-  // barriers.
-  static constexpr int stages = fp8 ? 4 : 2;
-  static constexpr int ahead = fp8 ? 2 : 1;
-  static constexpr int min_blocks = 2;
+  static constexpr int threads = 128 * kGroups;
+  static constexpr int strips = 4 * kGroups;      // 64 weight rows per warpgroup
+  static constexpr int bm = kBM;                  // tokens per CTA tile (wgmma N)
+  static constexpr int stages = kStages, ahead = kAhead, min_blocks = kMinBlocks;
   static constexpr int w_bytes = strips * kStripStage;
   static constexpr int b_row_bytes = kBK * (fp8 ? 1 : 2);  // one token's k block: 1 or 2 panels
   static constexpr int b_bytes = bm * b_row_bytes;
   static constexpr int s_bytes = fp8 ? bm * 4 : 0;         // the stage's a_scale column
-  // A stage: the B tile first (1024-aligned for the swizzle), then the weights, the scales.
-  static constexpr int stage_bytes = (b_bytes + w_bytes + s_bytes + 1023) / 1024 * 1024;
+  static constexpr int ws_bytes = w_bytes + s_bytes;       // weights + scales of a stage
+  static constexpr int b_ring = stages * b_bytes;
   // +1024: the dynamic shared window is aligned to 1024 bytes inside the kernel.
-  static constexpr int pipe_bytes = stages * stage_bytes + 1024;
+  static constexpr int pipe_bytes = b_ring + stages * ws_bytes + 1024;
   static constexpr int acc_regs = bm / 2;                 // 64 x bm fp32 over 128 threads
+  static constexpr int parts = fp8 ? (bm <= 8 ? 4 : bm <= 32 ? 2 : 1) : 0;
   static_assert(kBK == 128, "a stage is two packed 64-k blocks");
-  static_assert(min_blocks * (pipe_bytes + (3 * kMxfp4CudaMaxExperts + 1) * 4 + 1024) <=
-                    228 * 1024,
-                "shared memory budget (ring + the largest schedule, min_blocks CTAs an SM)");
+  static_assert(bm % 8 == 0 && b_bytes % 1024 == 0 && ws_bytes % 16 == 0, "ring alignment");
+  static_assert(bm <= threads, "one float8 scale row per thread");
+  // min_blocks CTAs an SM at V4's 256 experts (the schedule grows with E; the launcher asks the
+  // occupancy API for the E at hand).
+  static_assert(min_blocks * (pipe_bytes + (3 * 256 + 1) * 4 + 1024) <= 228 * 1024,
+                "shared memory budget (ring + schedule, min_blocks CTAs an SM)");
   static_assert(ahead >= 1 && ahead < stages, "loads ahead within the ring");
 };
+// bf16 prefill: two CTAs an SM (<= 128 registers), each covering the other's barriers.
+using WgBf16Cfg = WgCfg<false, 2, 128, 2, 1, 2>;
+// float8: prefill (tile 4; also what tile 2 runs), decode (small, tile 1) and tiny (tile 3).
+using WgFp8Cfg = WgCfg<true, 2, 64, 4, 3, 2>;
+using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
+using WgFp8TinyCfg = WgCfg<true, 1, 8, 5, 4, 6>;
 
 // ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -160,16 +173,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// D = A * B (zero accumulator); A 16x32 e4m3 (row), B 32x8 e4m3 (col).
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f), "f"(0.f),
-        "f"(0.f), "f"(0.f));
 }
 
 // ---- weight decode -----------------------------------------------------------------------------
@@ -253,94 +256,37 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, in
   const int g = lane >> 2, t = lane & 3;
   const uint8_t* wst = st + warp_n * C::wn * kStripStage;
   const uint8_t* ast = st + C::w_bytes + (warp_m * C::wt * 8 + g) * C::a_pitch;
-  if constexpr (!C::fp8) {
 #pragma unroll
-    for (int kb = 0; kb < 2; ++kb) {
-      uint4 wq[C::wn];
-      uint32_t m1[C::wn][4], m2[C::wn][4];
+  for (int kb = 0; kb < 2; ++kb) {
+    uint4 wq[C::wn];
+    uint32_t m1[C::wn][4], m2[C::wn][4];
 #pragma unroll
-      for (int i = 0; i < C::wn; ++i) {
-        const uint8_t* blk = wst + i * kStripStage + kb * kBlk;
-        wq[i] = *reinterpret_cast<const uint4*>(blk + lane * 16);
-        bf16_multipliers(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), wide, m1[i], m2[i]);
-      }
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int koff = (kb * 64 + 32 * s + 16 * h + 4 * t) * 2;
-          uint32_t b[C::wt][2];
-#pragma unroll
-          for (int j = 0; j < C::wt; ++j) {
-            if (j < nj) {
-              const uint2 v = *reinterpret_cast<const uint2*>(ast + j * 8 * C::a_pitch + koff);
-              b[j][0] = v.x;
-              b[j][1] = v.y;
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < C::wn; ++i) {
-            uint32_t a[4];
-            decode_bf16_scaled(word_of(wq[i], 2 * s + h), m1[i], m2[i], s, wide, a);
-#pragma unroll
-            for (int j = 0; j < C::wt; ++j) {
-              if (j < nj) mma_bf16(acc[i][j], a, b[j][0], b[j][1]);
-            }
-          }
-        }
-      }
-    }
-  } else {
-    const float* sst = reinterpret_cast<const float*>(st + C::w_bytes + C::a_bytes);
-    float as64[C::wt][2];
-#pragma unroll
-    for (int j = 0; j < C::wt; ++j) {
-      if (j < nj) {
-        const int r = warp_m * C::wt * 8 + j * 8 + 2 * t;
-        as64[j][0] = sst[r] * 64.f;
-        as64[j][1] = sst[r + 1] * 64.f;
-      }
+    for (int i = 0; i < C::wn; ++i) {
+      const uint8_t* blk = wst + i * kStripStage + kb * kBlk;
+      wq[i] = *reinterpret_cast<const uint4*>(blk + lane * 16);
+      bf16_multipliers(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), wide, m1[i], m2[i]);
     }
 #pragma unroll
-    for (int kb = 0; kb < 2; ++kb) {
-      uint4 wq[C::wn];
-      uint32_t sc[C::wn];
+    for (int s = 0; s < 2; ++s) {
 #pragma unroll
-      for (int i = 0; i < C::wn; ++i) {
-        const uint8_t* blk = wst + i * kStripStage + kb * kBlk;
-        wq[i] = *reinterpret_cast<const uint4*>(blk + lane * 16);
-        sc[i] = *reinterpret_cast<const uint32_t*>(blk + 512 + g * 4);
-      }
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int koff = kb * 64 + 32 * s + 4 * t;
+      for (int h = 0; h < 2; ++h) {
+        const int koff = (kb * 64 + 32 * s + 16 * h + 4 * t) * 2;
         uint32_t b[C::wt][2];
 #pragma unroll
         for (int j = 0; j < C::wt; ++j) {
           if (j < nj) {
-            b[j][0] = *reinterpret_cast<const uint32_t*>(ast + j * 8 * C::a_pitch + koff);
-            b[j][1] = *reinterpret_cast<const uint32_t*>(ast + j * 8 * C::a_pitch + koff + 16);
+            const uint2 v = *reinterpret_cast<const uint2*>(ast + j * 8 * C::a_pitch + koff);
+            b[j][0] = v.x;
+            b[j][1] = v.y;
           }
         }
 #pragma unroll
         for (int i = 0; i < C::wn; ++i) {
           uint32_t a[4];
-          decode_e4m3_raw(word_of(wq[i], 2 * s), a[0], a[1]);
-          decode_e4m3_raw(word_of(wq[i], 2 * s + 1), a[2], a[3]);
-          const float wg = ue8m0_to_float(static_cast<uint8_t>(sc[i] >> (8 * s)));
-          const float w8 = ue8m0_to_float(static_cast<uint8_t>(sc[i] >> (8 * (2 + s))));
+          decode_bf16_scaled(word_of(wq[i], 2 * s + h), m1[i], m2[i], s, wide, a);
 #pragma unroll
           for (int j = 0; j < C::wt; ++j) {
-            if (j < nj) {
-              float d[4];
-              mma_e4m3(d, a, b[j][0], b[j][1]);
-              // partial * w_scale is exact (a power of two), so this is one rounding of
-              // partial * w_scale * a_scale * 64 + acc, without overflowing w_scale * 64.
-              acc[i][j][0] = fmaf(d[0] * wg, as64[j][0], acc[i][j][0]);
-              acc[i][j][1] = fmaf(d[1] * wg, as64[j][1], acc[i][j][1]);
-              acc[i][j][2] = fmaf(d[2] * w8, as64[j][0], acc[i][j][2]);
-              acc[i][j][3] = fmaf(d[3] * w8, as64[j][1], acc[i][j][3]);
-            }
+            if (j < nj) mma_bf16(acc[i][j], a, b[j][0], b[j][1]);
           }
         }
       }
@@ -492,7 +438,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   const int64_t kb_total = sch.kb_total;
   const bool out_bf16 = p.out_dtype == DType::kBFloat16;
   const bool wide = p.wide_scales;
-  constexpr int kEsize = C::fp8 ? 1 : 2;
+  constexpr int kEsize = 2;  // bf16
   const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
 
 #pragma unroll 1
@@ -529,7 +475,6 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     static_assert(C::threads % C::chunks_per_row == 0, "a thread's chunks share one column");
     constexpr int kAChunks = (C::bm + kRowStep - 1) / kRowStep;
     constexpr bool kAPre = kAChunks <= 4;
-    static_assert(C::bm <= C::threads, "one float8 scale row per thread");
     const int a_r0 = tid / C::chunks_per_row, a_cc = tid - a_r0 * C::chunks_per_row;
     const int64_t a_off0 = (static_cast<int64_t>(a_r0) * k + a_cc * (16 / kEsize)) * kEsize;
     const uint32_t a_dst0 = static_cast<uint32_t>(C::w_bytes + a_r0 * C::a_pitch + a_cc * 16);
@@ -575,11 +520,6 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
                                   : p.a;
           cp_async16(smem_u32(st + C::w_bytes + r * C::a_pitch + cc * 16), src, valid);
         }
-      }
-      if constexpr (C::fp8) {
-        if (tid < tile_rows)
-          cp_async4(smem_u32(st + C::w_bytes + C::a_bytes + tid * 4),
-                    p.a_scale + static_cast<int64_t>(tile_row0 + tid) * (k / kBK) + kt);
       }
     };
 
@@ -670,7 +610,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   constexpr int kChunksPerRow = C::b_row_bytes / 16;
   const int bc = tid % kChunksPerRow, brow = tid / kChunksPerRow;
   constexpr int kBRowStep = C::threads / kChunksPerRow;
-  constexpr int kBUnits = C::bm / kBRowStep;  // 8 (bf16) or 2 (e4m3)
+  constexpr int kBUnits = (C::bm + kBRowStep - 1) / kBRowStep;  // rows past bm are never copied
   static_assert(kBRowStep % 8 == 0, "a thread's rows share row % 8");
   const uint32_t b_dst0 =
       (bc >> 3) * (C::bm * 128) + brow * 128 + (((bc & 7) ^ (brow & 7)) << 4);
@@ -687,16 +627,16 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const uint8_t* b_src0 =
         b_act + (static_cast<int64_t>(tile_row0) + brow) * k * kEsize + bc * 16;
     auto load_stage = [&](int slot_idx, int kt) {
-      uint8_t* st = smem + slot_idx * C::stage_bytes;
+      uint8_t* ws = smem + C::b_ring + slot_idx * C::ws_bytes;
       const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
       for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
         const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
         if (i < strips_valid)
-          cp_async16(smem_u32(st + C::b_bytes + i * kStripStage + off),
+          cp_async16(smem_u32(ws + i * kStripStage + off),
                      wk + static_cast<int64_t>(i) * kb_total * kBlk + off, true);
       }
       const bool kvalid = kt * kBK + bc * (16 / kEsize) < k;
-      const uint32_t bdst = smem_u32(st) + b_dst0;
+      const uint32_t bdst = smem_u32(smem + slot_idx * C::b_bytes) + b_dst0;
       const uint8_t* bsrc = b_src0 + kt * C::b_row_bytes;
 #pragma unroll
       for (int u = 0; u < kBUnits; ++u) {
@@ -707,7 +647,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       }
       if constexpr (C::fp8) {  // k % 128 == 0 for e4m3: every stage is whole
         if (tid < tile_rows)
-          cp_async4(smem_u32(st + C::b_bytes + C::w_bytes + tid * 4),
+          cp_async4(smem_u32(ws + C::w_bytes + tid * 4),
                     p.a_scale + static_cast<int64_t>(tile_row0 + tid) * (k / kBK) + kt);
       }
     };
@@ -727,8 +667,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // (SIMT) into register set s & 1 while step s-1's wgmma runs; wait<1> after each issue
     // retires the group that read the set the next decode overwrites (and, at a stage's last
     // step, every group of the stage before); the wgmma of a stage's last step is still running
-    // when the next stage starts. e4m3: 4 k32 groups, each waited for and promoted in turn
-    // (the other warpgroup and the other CTA of the SM keep the tensor cores busy meanwhile).
+    // when the next stage starts. e4m3: 4 k32 groups, `parts` at a time waited for and promoted
+    // in turn (the other warpgroups and CTAs of the SM keep the tensor cores busy meanwhile).
     [[maybe_unused]] uint32_t a[2][4];
 #pragma unroll 1
     for (int kt = 0; kt < kt_total; ++kt) {
@@ -742,9 +682,9 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       const int nk = kt + C::ahead;
       if (nk < kt_total) load_stage(wr_slot, nk);
       cp_async_commit();
-      const uint8_t* stage_base = smem + rd_slot * C::stage_bytes;
-      const uint8_t* wst = stage_base + C::b_bytes + sidx * kStripStage;
-      const uint32_t b_base = smem_u32(stage_base);
+      const uint8_t* ws = smem + C::b_ring + rd_slot * C::ws_bytes;  // weights, a_scale
+      const uint8_t* wst = ws + sidx * kStripStage;
+      const uint32_t b_base = smem_u32(smem + rd_slot * C::b_bytes);
       wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
       rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
 
@@ -777,42 +717,58 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           wgmma::wait<1>();
         }
       } else {
-        // e4m3: per 32-k group (one weight scale), a wgmma from zero, then the promotion the
-        // decode tiles do: acc = fma(partial * w_scale, a_scale * 64, acc), in k order.
-        // (The token scales are re-read from shared memory for each group rather than held:
-        // 16 more registers would not fit two CTAs an SM.)
-        const float* sst = reinterpret_cast<const float*>(stage_base + C::b_bytes + C::w_bytes);
+        // e4m3: per 32-k group q (one weight scale), a wgmma from zero, then the promotion
+        // acc = fma(partial * w_scale, a_scale * 64, acc), in k order; C::parts groups are in
+        // flight before one wait. (The token scales are re-read from shared memory for each group
+        // rather than held: at 64 tokens 16 more registers would not fit two CTAs an SM.)
+        const float* sst = reinterpret_cast<const float*>(ws + C::w_bytes);
+        constexpr int P = C::parts;
+        constexpr int kBlocks = (P + 1) / 2;  // 64-k blocks the P groups lie in
 #pragma unroll
-        for (int kb = 0; kb < 2; ++kb) {
-          const uint8_t* blk = wst + kb * kBlk;
-          const uint4 wq = *reinterpret_cast<const uint4*>(blk + lane * 16);
-          const uint32_t sc = *reinterpret_cast<const uint32_t*>(blk + 512 + g * 4);
+        for (int q0 = 0; q0 < 4; q0 += P) {
+          uint4 wq[kBlocks];
+          uint32_t sc[kBlocks];
 #pragma unroll
-          for (int s2 = 0; s2 < 2; ++s2) {
-            uint32_t f[4];
-            decode_e4m3_raw(word_of(wq, 2 * s2), f[0], f[1]);
-            decode_e4m3_raw(word_of(wq, 2 * s2 + 1), f[2], f[3]);
-            const float wg = ue8m0_to_float(static_cast<uint8_t>(sc >> (8 * s2)));
-            const float w8 = ue8m0_to_float(static_cast<uint8_t>(sc >> (8 * (2 + s2))));
-            uint64_t desc[1] = {wgmma::desc_sw128(b_base + (kb * 2 + s2) * 32, 16, 1024)};
-            float part[C::acc_regs];
+          for (int b = 0; b < kBlocks; ++b) {
+            const uint8_t* blk = wst + ((q0 >> 1) + b) * kBlk;
+            wq[b] = *reinterpret_cast<const uint4*>(blk + lane * 16);
+            sc[b] = *reinterpret_cast<const uint32_t*>(blk + 512 + g * 4);
+          }
+          uint32_t f[P][4];
+          float part[P][C::acc_regs];
 #pragma unroll
-            for (int i = 0; i < C::acc_regs; ++i) part[i] = 0.f;
-            wgmma::fence_operands(f);
+          for (int u = 0; u < P; ++u) {
+            const int kb = ((q0 + u) >> 1) - (q0 >> 1), s2 = (q0 + u) & 1;
+            decode_e4m3_raw(word_of(wq[kb], 2 * s2), f[u][0], f[u][1]);
+            decode_e4m3_raw(word_of(wq[kb], 2 * s2 + 1), f[u][2], f[u][3]);
+            wgmma::fence_operands(f[u]);
+#pragma unroll
+            for (int i = 0; i < C::acc_regs; ++i) part[u][i] = 0.f;
+            wgmma::fence_operands(part[u]);
+          }
+          wgmma::fence();
+#pragma unroll
+          for (int u = 0; u < P; ++u) {
+            uint64_t desc[1] = {wgmma::desc_sw128(b_base + (q0 + u) * 32, 16, 1024)};
             wgmma::fence_operands(desc);
-            wgmma::fence();
-            wgmma::wgmma_m64n64k32_e4m3_rs(part, f, desc[0], false);
-            wgmma::commit();
-            wgmma::wait<0>();
-            wgmma::fence_operands(part);
+            wgmma::wgmma_e4m3_rs<C::bm>(part[u], f[u], desc[0], false);
+          }
+          wgmma::commit();
+          wgmma::wait<0>();
+#pragma unroll
+          for (int u = 0; u < P; ++u) {
+            wgmma::fence_operands(part[u]);
+            const int kb = ((q0 + u) >> 1) - (q0 >> 1), s2 = (q0 + u) & 1;
+            const float wg = ue8m0_to_float(static_cast<uint8_t>(sc[kb] >> (8 * s2)));
+            const float w8 = ue8m0_to_float(static_cast<uint8_t>(sc[kb] >> (8 * (2 + s2))));
 #pragma unroll
             for (int j = 0; j < C::bm / 8; ++j) {  // this thread's tokens 8 j + 2 t (+1)
               const float2 as = *reinterpret_cast<const float2*>(sst + j * 8 + 2 * t);
               const float as0 = as.x * 64.f, as1 = as.y * 64.f;
-              acc[4 * j + 0] = fmaf(part[4 * j + 0] * wg, as0, acc[4 * j + 0]);
-              acc[4 * j + 1] = fmaf(part[4 * j + 1] * wg, as1, acc[4 * j + 1]);
-              acc[4 * j + 2] = fmaf(part[4 * j + 2] * w8, as0, acc[4 * j + 2]);
-              acc[4 * j + 3] = fmaf(part[4 * j + 3] * w8, as1, acc[4 * j + 3]);
+              acc[4 * j + 0] = fmaf(part[u][4 * j + 0] * wg, as0, acc[4 * j + 0]);
+              acc[4 * j + 1] = fmaf(part[u][4 * j + 1] * wg, as1, acc[4 * j + 1]);
+              acc[4 * j + 2] = fmaf(part[u][4 * j + 2] * w8, as0, acc[4 * j + 2]);
+              acc[4 * j + 3] = fmaf(part[u][4 * j + 3] * w8, as1, acc[4 * j + 3]);
             }
           }
         }
@@ -932,24 +888,22 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
     Mxfp4CudaGemmParams q = p;
     q.rows_lo = rows_lo;
     q.rows_hi = rows_hi;
-    if (q.a_dtype == DType::kFloat8E4M3) {
-      if (tile == 4)
-        launch<WgCfg<true>>(q, s);
-      else if (tile == 2)
-        launch<LargeCfg<true>>(q, s);
+    if (q.a_dtype == DType::kFloat8E4M3) {  // wgmma at every size (see WgCfg)
+      if (tile == 4 || tile == 2)
+        launch<WgFp8Cfg>(q, s);
       else if (tile == 3)
-        launch<TinyCfg<true>>(q, s);
+        launch<WgFp8TinyCfg>(q, s);
       else
-        launch<SmallCfg<true>>(q, s);
+        launch<WgFp8SmallCfg>(q, s);
     } else {
       if (tile == 4)
-        launch<WgCfg<false>>(q, s);
+        launch<WgBf16Cfg>(q, s);
       else if (tile == 2)
-        launch<LargeCfg<false>>(q, s);
+        launch<LargeCfg>(q, s);
       else if (tile == 3)
-        launch<TinyCfg<false>>(q, s);
+        launch<TinyCfg>(q, s);
       else
-        launch<SmallCfg<false>>(q, s);
+        launch<SmallCfg>(q, s);
     }
   };
   if (plan.split_rows > 0) {

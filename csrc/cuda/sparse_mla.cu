@@ -934,12 +934,15 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
   load_fp8_row(rows, ref0, q);
   prefetch_fp8_row<kP>(ref1, q);
   prefetch_fp8_row<kP>(ref_load, q);
-  // Tile it's rows (and validity flags) into buffer `buf`, here and, for a pair, in the peer.
-  auto store_rows = [&](int buf) {
+  // Tile i's rows into its bf16 tile (buffer i % 2; the only one with one tile) and its validity
+  // flags into sValid[i % 2] (always two: the softmax of tile i reads them after the next tile's
+  // flags are written), here and, for a pair, in the peer.
+  auto store_rows = [&](int i) {
+    const int buf = S::kTiles == 2 ? (i & 1) : 0, vbuf = i & 1;
     store_fp8_row<kPair>(rows, sK + buf * kTileBytes, e, q, peer_k + buf * kTileBytes);
     if (q == 0) {
-      sValid[buf * kTileN + e] = rows.valid;
-      if constexpr (kPair) st_cluster(peer_valid + (buf * kTileN + e) * 4, rows.valid ? 1u : 0u);
+      sValid[vbuf * kTileN + e] = rows.valid;
+      if constexpr (kPair) st_cluster(peer_valid + (vbuf * kTileN + e) * 4, rows.valid ? 1u : 0u);
     }
   };
   // Dequantised tiles -> tensor-core reads (the proxy fence waits for this thread's outstanding
@@ -987,7 +990,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
       // the peer's other tile too: the peer finished reading it, tile it-1, before the cluster
       // barrier that ended iteration it-1.)
       if constexpr (S::kTiles == 1) __syncthreads();
-      store_rows(S::kTiles == 2 ? ((it + 1) & 1) : 0);
+      store_rows(it + 1);
       fence_tiles();
       load_fp8_row(rows, ref_load, q);                     // tile it+2
       ref_load = resolve<true>(a, slot_pf, which_pf);      // tile it+3

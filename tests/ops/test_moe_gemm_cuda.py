@@ -255,10 +255,9 @@ def test_kslot_order_matches_the_fragment_k_map(gen, shape):
 def test_cuda_plan():
     """How the kernel covers the experts (one rule, in C++, used by the op layer and the
     launcher): (tile, big_tile, split_rows). Tiny decode tile below 4 rows per expert (masked:
-    cap <= 8), then the small tile; float8 takes the large mma.sync tile from 96 rows per expert;
-    bf16 the wgmma tile from 48 (masked: cap >= 48), and below that, in the contiguous layout
-    from 256 rows in all, the experts holding >= 48 rows take the wgmma tile (skewed routing);
-    a requested tile runs all."""
+    cap <= 8), then the small tile; the wgmma tile from 48 (bf16) / 32 (float8) rows per expert
+    (masked: cap), and below that, in the contiguous layout from 256 rows in all, the experts
+    holding that many rows take the wgmma tile (skewed routing); a requested tile runs all."""
     def plan(fp8=False, masked=False, m=0, cap=0, requested=0, E=256):
         return tuple(_C.mxfp4_cuda_plan(fp8=fp8, masked=masked, m=m, num_experts=E, cap=cap,
                                         requested=requested))
@@ -268,13 +267,15 @@ def test_cuda_plan():
     assert plan(m=4 * 256) == (1, 4, 48)            # small + wgmma
     assert plan(m=47 * 256) == (1, 4, 48)
     assert plan(m=48 * 256) == (4, 0, 0)            # every expert on the wgmma tile
-    assert plan(fp8=True, m=4096) == (1, 0, 0)      # float8: one tile from the average
-    assert plan(fp8=True, m=95 * 256) == (1, 0, 0)
-    assert plan(fp8=True, m=96 * 256) == (2, 0, 0)
+    assert plan(fp8=True, m=255) == (3, 0, 0)
+    assert plan(fp8=True, m=4096) == (1, 4, 32)     # float8: the same rule, from 32 rows
+    assert plan(fp8=True, m=31 * 256) == (1, 4, 32)
+    assert plan(fp8=True, m=32 * 256) == (4, 0, 0)
     assert plan(masked=True, cap=8, E=8) == (3, 0, 0)
     assert plan(masked=True, cap=47, E=8) == (1, 0, 0)
     assert plan(masked=True, cap=48, E=8) == (4, 0, 0)
     assert plan(fp8=True, masked=True, cap=9, E=8) == (1, 0, 0)
+    assert plan(fp8=True, masked=True, cap=32, E=8) == (4, 0, 0)
     assert plan(m=10, requested=2) == (2, 0, 0)
     assert plan(m=100000, requested=1) == (1, 0, 0)
 
@@ -485,20 +486,22 @@ def test_cuda_routing(gen, tile, dtype, masked, routing):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("masked", [False, True])
-def test_cuda_split_plan(gen, tile, masked):
-    """Skewed bf16 routing under the shape-only plan: experts with >= 48 rows run the wgmma tile,
-    the others the small tile (two launches, each skipping the other's experts on the device).
-    Every row is written once, right, and bitwise as a single tile writes it."""
+def test_cuda_split_plan(gen, tile, masked, dtype):
+    """Skewed routing under the shape-only plan: experts with >= 48 (bf16) / 32 (float8) rows run
+    the wgmma tile, the others the small tile (two launches, each skipping the other's experts on
+    the device). Every row is written once, right, and bitwise as a single tile writes it."""
     E = 16
-    counts = [300, 2, 0, 60, 47, 48, 5, 1] + [0] * 8
+    thr = 48 if dtype == torch.bfloat16 else 32
+    counts = [300, 2, 0, 60, thr - 1, thr, 5, 1] + [0] * 8
     if masked:  # the capacity decides alone: every expert on the wgmma tile
         counts = [49, 3, 0, 47] + [0] * 12
-    c = make_case(gen, E=E, N=128, K=384, dtype=torch.bfloat16, masked=masked, counts=counts,
+    c = make_case(gen, E=E, N=128, K=384, dtype=dtype, masked=masked, counts=counts,
                   cap=max(counts) + 2, mode="swiglu_limit")
     m = sum(counts) if not masked else 0
-    plan = tuple(_C.mxfp4_cuda_plan(False, masked, m, E, max(counts) + 2, 0))
-    assert plan == ((4, 0, 0) if masked else (1, 4, 48)), plan
+    plan = tuple(_C.mxfp4_cuda_plan(dtype == FP8, masked, m, E, max(counts) + 2, 0))
+    assert plan == ((4, 0, 0) if masked else (1, 4, thr)), plan
     tile(0)
     got = run_cuda(c, out_dtype=torch.float32)
     check_vs_ref(got, c, torch.float32, "split plan")

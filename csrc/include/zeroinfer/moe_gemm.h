@@ -104,9 +104,11 @@ struct Mxfp4CudaGemmParams {
   bool has_swiglu_limit = false;
   float swiglu_limit = 0.f;
   // 0: the plan from the shapes (mxfp4_cuda_plan); 1: small-M tile (64 weight rows x 32 tokens,
-  // decode); 2: large-M tile (256 x 128, mma.sync); 3: tiny-M tile (64 x 8, decode with <= 8
-  // rows per expert: 6-7 CTAs per SM); 4: wgmma tile (prefill: 128 x 128 for bf16, 128 x 64 for
-  // float8). A tile other than 0 runs every expert. Every tile gives bitwise the same result.
+  // decode); 2: large-M tile (bf16: 256 x 128 on mma.sync; float8: the same as 4); 3: tiny-M
+  // tile (64 x 8, decode with <= 8 rows per expert: 6 CTAs per SM); 4: wgmma tile (prefill:
+  // 128 x 128 for bf16, 128 x 64 for float8). Float8 runs on wgmma at every tile (Hopper's
+  // float8 mma.sync rounds differently). A tile other than 0 runs every expert. Every tile gives
+  // bitwise the same result.
   int tile = 0;
   // The activations again (same layout and dtype) with each 16-k group's bf16 pairs in the
   // packed weights' k-slot order (slot pair q <- real pair 0,2,4,6,1,3,5,7): what the wgmma tile
@@ -126,13 +128,12 @@ struct Mxfp4CudaGemmParams {
 // (bench/results/h200/moe_gemm_NOTES.md):
 //   tiny (3)   while an active expert holds <= 8 rows on average (contiguous: m / E < 4, i.e.
 //              <= ~170 tokens of V4-Flash top-6 / 256; masked: cap <= 8), small (1) otherwise;
-//   float8:    the large mma.sync tile (2) for every expert from 96 rows per expert on average;
-//   bf16:      the wgmma tile (4) from 48 rows per expert on average (masked: cap >= 48; 1.3x
-//              the small tile there even with 128-token tiles 3/8 full); below that, in the
-//              contiguous layout from 256 rows in all, the experts that hold 48 rows or more
-//              (skewed routing) take the wgmma tile and the rest the tiny / small tile. (Below
-//              256 rows the second launch and the k-slot copy of the activations would cost more
-//              than they can save.)
+//   the wgmma prefill tile (4) from 48 (bf16) / 32 (float8, 64-token tiles) rows per expert on
+//              average (masked: cap); bf16 is 1.3x the small tile at 48 even with its 128-token
+//              tiles 3/8 full. Below that, in the contiguous layout from 256 rows in all, the
+//              experts that hold that many rows or more (skewed routing) take the wgmma tile and
+//              the rest the tiny / small tile. (Below 256 rows the second launch, and for bf16
+//              the k-slot copy of the activations, would cost more than they can save.)
 struct Mxfp4CudaPlan {
   int tile = 1;
   int big_tile = 0;
@@ -144,11 +145,11 @@ inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t n
   if (requested != 0) return {requested, 0, 0};
   const int64_t rows_per_expert = masked ? cap : m / (num_experts > 0 ? num_experts : 1);
   const int small = (masked ? cap <= 8 : rows_per_expert < 4) ? 3 : 1;
-  if (fp8) return {rows_per_expert >= 96 ? 2 : small, 0, 0};
-  constexpr int64_t kWgmmaRows = 48, kSplitMinRows = 256;
-  if (rows_per_expert >= kWgmmaRows) return {4, 0, 0};
+  const int64_t wgmma_rows = fp8 ? 32 : 48;
+  constexpr int64_t kSplitMinRows = 256;
+  if (rows_per_expert >= wgmma_rows) return {4, 0, 0};
   if (masked || m < kSplitMinRows) return {small, 0, 0};
-  return {small, 4, kWgmmaRows};
+  return {small, 4, wgmma_rows};
 }
 
 inline bool mxfp4_plan_uses(const Mxfp4CudaPlan& plan, int tile) {

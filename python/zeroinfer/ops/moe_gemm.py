@@ -31,8 +31,8 @@ def _name(d: torch.dtype) -> str:
 
 _INT32_LIMIT = 2**31
 # Tile shape of the CUDA kernel: 0 = planned from the shapes (_C.mxfp4_cuda_plan), 1 = small-M,
-# 2 = large-M (mma.sync), 3 = tiny-M (decode, <= 8 rows per expert per tile), 4 = wgmma
-# (prefill). Tests set it to run every shape on the same inputs (every shape gives
+# 2 = large-M (bf16 mma.sync; float8: as 4), 3 = tiny-M (decode, <= 8 rows per expert per tile),
+# 4 = wgmma (prefill). Tests set it to run every shape on the same inputs (every shape gives
 # bitwise the same result).
 _FORCE_TILE = 0
 
