@@ -25,8 +25,8 @@ correct_lengths(torch.randperm(R, **i32), torch.randint(1, S + 1, (R,), **i32),
                 torch.randint(0, 900, (R * S,), **i32), torch.randint(0, 1000, (R * S,), **i32))
 
 # Sparse MLA: split and unsplit plans, both cache formats, extra cache, -1 entries, ragged tails.
-# FP8 at 16 heads runs one shared tile with two CTAs an SM, at 32 heads the 16-warp layout, at
-# 128 heads cluster pairs that share the dequantised tiles (distributed shared memory).
+# FP8 at 16 heads runs one shared tile with two CTAs an SM, at 32 heads the 16-warp layout; 128
+# heads over many tiles (two 64-head CTAs a token).
 for T, H, K, K2, fmt in [(1, 64, 200, 77, "fp8"), (40, 16, 130, 0, "bf16"), (3, 128, 64, 9, "fp8"),
                          (200, 8, 65, 33, "bf16"), (50, 16, 200, 40, "fp8"),
                          (20, 32, 130, 0, "fp8"), (30, 128, 300, 40, "fp8")]:

@@ -10,10 +10,7 @@
 //   FP8 cache (sparse_mla_fp8_kernel): the kThreads/64 threads that own a list entry load its row
 //     into registers one tile ahead (after an L2 prefetch one tile earlier still) and dequantise
 //     it exactly with bit moves and one bf16x2 multiply a pair, into the tile the MMA does not
-//     read at the moment (two tiles; one for 16 heads, so that two CTAs share an SM). With an
-//     even number of 64-head groups (128 heads) the groups of a token run as cluster pairs:
-//     each CTA loads and dequantises half of every tile and writes it into both CTAs' tiles
-//     (distributed shared memory), so each row is dequantised once per token, not per group.
+//     read at the moment (two tiles; one for 16 heads, so that two CTAs share an SM).
 // Warps are arranged R x C:
 //   S = Q K^T   warp (rg, cg) computes heads rg*16.. over entries cg*(64/C).. (all 512 dims),
 //   softmax     row maxima exchanged through shared memory within the row group; the running
@@ -309,16 +306,10 @@ __device__ __forceinline__ void prefetch_fp8_row(const RowRef& ref, int q) {
   if (q == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.scale));
 }
 
-// Dequantise the held row of entry `e` into the swizzled bf16 tile; with kPeer, also into the same
-// place of the peer CTA's tile (`peer_tile`: its shared::cluster address).
-template <bool kPeer = false, int kP>
-__device__ __forceinline__ void store_fp8_row(const Fp8Rows<kP>& r, uint8_t* tile, int e, int q,
-                                              uint32_t peer_tile = 0) {
+// Dequantise the held row of entry `e` into the swizzled bf16 tile.
+template <int kP>
+__device__ __forceinline__ void store_fp8_row(const Fp8Rows<kP>& r, uint8_t* tile, int e, int q) {
   const uint64_t sc = (static_cast<uint64_t>(r.scales.y) << 32) | r.scales.x;
-  auto put = [&](uint32_t off, const uint4& v) {
-    *reinterpret_cast<uint4*>(tile + off) = v;
-    if constexpr (kPeer) st_cluster(peer_tile + off, v);
-  };
 #pragma unroll
   for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) {
     const int c = q + kP * k;
@@ -326,10 +317,10 @@ __device__ __forceinline__ void store_fp8_row(const Fp8Rows<kP>& r, uint8_t* til
     if (c < kNopeChunks) {
       uint4 lo, hi;
       dequant16(r.v[k], static_cast<uint32_t>(sc >> (8 * (c >> 2))) & 0xffu, lo, hi);
-      put(swz<kTileN>(e, 2 * c), lo);
-      put(swz<kTileN>(e, 2 * c + 1), hi);
+      *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 2 * c)) = lo;
+      *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 2 * c + 1)) = hi;
     } else {
-      put(swz<kTileN>(e, kRopeChunk0 + (c - kNopeChunks)), r.v[k]);
+      *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, kRopeChunk0 + (c - kNopeChunks))) = r.v[k];
     }
   }
 }
@@ -882,36 +873,20 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
 // heads of the CTA share. With two tiles (32+ heads) the dequantisation of tile it+1 runs while
 // the tensor cores do tile it's P V (wgmma is asynchronous); one tile (16 heads) waits for P V
 // but leaves room for a second CTA on the SM.
-// kPair (64-head CTAs of the same token in a cluster of two, e.g. the two halves of 128 heads):
-// each CTA loads and dequantises HALF of every tile's entries and writes them into both CTAs'
-// tiles (distributed shared memory), so the pair dequantises each row once instead of twice;
-// cluster barriers take the place of the per-tile CTA barrier.
-template <int R, bool kPair>
+template <int R>
 __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
     sparse_mla_fp8_kernel(const KernelArgs a) {
   using G = Geom<R>;
   using S = Smem<R, true>;
-  static_assert(!kPair || R == 4, "pairs of 64-head CTAs");
-  constexpr int kEntries = kPair ? kTileN / 2 : kTileN;  // entries of a tile this CTA loads
-  constexpr int kP = G::kThreads / kEntries;             // threads per list entry
+  constexpr int kP = G::kThreads / kTileN;  // threads per list entry
   constexpr int kTileBytes = kTileN * kRowBytes;
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   [[maybe_unused]] const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] =
       smem_tiles<R, true>(smem_raw);
-  // The peer's tiles and flags (same offsets: same kernel, same shared-memory layout); the
-  // cluster barrier first, since a CTA's shared memory may be written only once it runs.
-  uint32_t rank = 0, peer_k = 0, peer_valid = 0;
-  if constexpr (kPair) {
-    rank = cluster_ctarank();
-    peer_k = map_to_rank(smem_u32(sK), rank ^ 1u);
-    peer_valid = map_to_rank(smem_u32(sValid), rank ^ 1u);
-    cluster_sync();
-  }
   const WorkItem w = work_item<R>(a);
   const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = w;
-  // This thread's list entry (of the tile) and part.
-  const int e = static_cast<int>(rank) * kEntries + threadIdx.x / kP, q = threadIdx.x % kP;
+  const int e = threadIdx.x / kP, q = threadIdx.x % kP;  // this thread's list entry and part
   float sinks[2];
   load_sinks(a, w, sinks);
 
@@ -934,38 +909,12 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
   load_fp8_row(rows, ref0, q);
   prefetch_fp8_row<kP>(ref1, q);
   prefetch_fp8_row<kP>(ref_load, q);
-  // Tile i's rows into its bf16 tile (buffer i % 2; the only one with one tile) and its validity
-  // flags into sValid[i % 2] (always two: the softmax of tile i reads them after the next tile's
-  // flags are written), here and, for a pair, in the peer.
-  auto store_rows = [&](int i) {
-    const int buf = S::kTiles == 2 ? (i & 1) : 0, vbuf = i & 1;
-    store_fp8_row<kPair>(rows, sK + buf * kTileBytes, e, q, peer_k + buf * kTileBytes);
-    if (q == 0) {
-      sValid[vbuf * kTileN + e] = rows.valid;
-      if constexpr (kPair) st_cluster(peer_valid + (vbuf * kTileN + e) * 4, rows.valid ? 1u : 0u);
-    }
-  };
-  // Dequantised tiles -> tensor-core reads (the proxy fence waits for this thread's outstanding
-  // memory operations, so it goes before the next loads are issued); the barrier that follows
-  // makes them everyone's.
-  auto fence_tiles = [] {
-    if constexpr (kPair)
-      fence_proxy_async_cluster();
-    else if constexpr (G::kWgmma)
-      wgmma::fence_proxy_async();
-  };
-  auto barrier = [] {
-    if constexpr (kPair)
-      cluster_sync();
-    else
-      __syncthreads();
-  };
-  store_rows(0);
+  store_fp8_row(rows, sK, e, q);
+  if (q == 0) sValid[e] = rows.valid;
   cp_async_wait<0>();
-  fence_tiles();  // Q, tile 0 -> tensor-core reads
-  if constexpr (kPair) wgmma::fence_proxy_async();  // (Q came by cp.async into this CTA)
+  if constexpr (G::kWgmma) wgmma::fence_proxy_async();  // Q, tile 0 -> tensor-core reads
   load_fp8_row(rows, ref1, q);
-  barrier();
+  __syncthreads();
 
   float acc[G::OT][4];
 #pragma unroll
@@ -986,22 +935,21 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
     pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
     if (it + 1 < n) {
       // Tile it+1 from the registers into the other tile (or, with one tile, into this one once
-      // every warp is past its P V), then the pipeline of later tiles advances. (A pair writes
-      // the peer's other tile too: the peer finished reading it, tile it-1, before the cluster
-      // barrier that ended iteration it-1.)
+      // every warp is past its P V), then the pipeline of later tiles advances.
       if constexpr (S::kTiles == 1) __syncthreads();
-      store_rows(it + 1);
-      fence_tiles();
+      store_fp8_row(rows, sK + (S::kTiles == 2 ? ((it + 1) & 1) : 0) * kTileBytes, e, q);
+      if (q == 0) sValid[((it + 1) & 1) * kTileN + e] = rows.valid;
+      // The proxy fence (dequantised tile -> wgmma reads) waits for this thread's outstanding
+      // memory operations, so it goes before the next tile's loads are issued, not after.
+      if constexpr (G::kWgmma) wgmma::fence_proxy_async();
       load_fp8_row(rows, ref_load, q);                     // tile it+2
       ref_load = resolve<true>(a, slot_pf, which_pf);      // tile it+3
       prefetch_fp8_row<kP>(ref_load, q);
       fetch_slot(a, t, tile_begin + it + 4, tile_end, e, slot_pf, which_pf);
     }
     pv_wait<R>(acc);
-    barrier();  // tile it+1 and its flags complete; everyone is done with tile it and P
+    __syncthreads();  // tile it+1 and its flags complete; everyone is done with tile it and P
   }
-  // (A pair: every write into the peer precedes a cluster barrier that both CTAs pass, so
-  // neither leaves while the other may still write into it.)
 
   store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, a, w, sinks);
 }
@@ -1055,34 +1003,13 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
   return num_heads > 32 ? 4 : (num_heads > 16 ? 2 : 1);
 }
 
-template <int R, bool kFp8, bool kPair = false>
+template <int R, bool kFp8>
 void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = Smem<R, kFp8>::kAlloc;
   static_assert(bytes * Smem<R, kFp8>::kCtasPerSm <= 227 * 1024, "shared memory budget");
-  void (*kernel)(const KernelArgs);
-  if constexpr (kFp8)
-    kernel = sparse_mla_fp8_kernel<R, kPair>;
-  else
-    kernel = sparse_mla_bf16_kernel<R>;
+  auto* kernel = kFp8 ? sparse_mla_fp8_kernel<R> : sparse_mla_bf16_kernel<R>;
   ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  if constexpr (!kPair) {
-    kernel<<<grid, Geom<R>::kThreads, bytes, stream>>>(a);
-  } else {
-    // Clusters of the two head groups of a token (grid.y even).
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(Geom<R>::kThreads);
-    cfg.dynamicSmemBytes = bytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 2;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    ZI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
-  }
+  kernel<<<grid, Geom<R>::kThreads, bytes, stream>>>(a);
 }
 
 CacheView view_of(const SparseMlaCache& c) {
@@ -1168,10 +1095,8 @@ void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan
             static_cast<unsigned>(plan.num_splits));
   auto s = static_cast<cudaStream_t>(stream);
   if (fp8) {
-    // 64-head groups of a token in pairs (128 heads, ...): each dequantises half of the rows.
     if (R == 1) launch<1, true>(a, grid, s);
     else if (R == 2) launch<2, true>(a, grid, s);
-    else if (grid.y % 2 == 0) launch<4, true, true>(a, grid, s);
     else launch<4, true>(a, grid, s);
   } else {
     if (R == 1) launch<1, false>(a, grid, s);
