@@ -127,7 +127,8 @@ using LargeCfg = Cfg<4, 2, 4, 8, 3, 1>;
 // that is the stage just before, whose last wgmma the warpgroups wait for (wait<0>) before the
 // stage's barrier (float8 waits for every group inside its stage anyway); with fewer ahead it was
 // retired by the waits of the stage before, and the tensor cores never drain.
-template <bool kFp8, int kGroups, int kBM, int kStages, int kAhead, int kMinBlocks>
+template <bool kFp8, int kGroups, int kBM, int kStages, int kAhead, int kMinBlocks,
+          int kParts = 1>
 struct WgCfg {
   static constexpr bool wgmma = true;
   static constexpr bool fp8 = kFp8;
@@ -144,7 +145,8 @@ struct WgCfg {
   // +1024: the dynamic shared window is aligned to 1024 bytes inside the kernel.
   static constexpr int pipe_bytes = b_ring + stages * ws_bytes + 1024;
   static constexpr int acc_regs = bm / 2;                 // 64 x bm fp32 over 128 threads
-  static constexpr int parts = fp8 ? (bm <= 8 ? 4 : bm <= 32 ? 2 : 1) : 0;
+  static constexpr int parts = kParts;  // float8: k32 groups in flight before a wait (1, 2, 4)
+  static_assert(4 % kParts == 0, "parts divide a stage's four k32 groups");
   static_assert(kBK == 128, "a stage is two packed 64-k blocks");
   static_assert(bm % 8 == 0 && b_bytes % 1024 == 0 && ws_bytes % 16 == 0, "ring alignment");
   static_assert(bm <= threads, "one float8 scale row per thread");
@@ -157,9 +159,11 @@ struct WgCfg {
 // bf16 prefill: two CTAs an SM (<= 128 registers), each covering the other's barriers.
 using WgBf16Cfg = WgCfg<false, 2, 128, 2, 1, 2>;
 // float8: prefill (tile 4; also what tile 2 runs), decode (small, tile 1) and tiny (tile 3).
-using WgFp8Cfg = WgCfg<true, 2, 64, 4, 3, 2>;
-using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
-using WgFp8TinyCfg = WgCfg<true, 1, 8, 5, 4, 6>;
+// Measured alternatives for the prefill tile (bench/results/h200/moe_gemm_NOTES.md, session 5):
+// two groups in flight at one CTA an SM (222 registers) -20%; one warpgroup x 4 CTAs -7%.
+using WgFp8Cfg = WgCfg<true, 2, 64, 4, 3, 2, 1>;
+using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4, 2>;
+using WgFp8TinyCfg = WgCfg<true, 1, 8, 5, 4, 6, 4>;
 
 // ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -735,6 +739,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
             sc[b] = *reinterpret_cast<const uint32_t*>(blk + 512 + g * 4);
           }
           uint32_t f[P][4];
+          // (No zeroing: the wgmma with accumulate = false ignores the registers' values.)
           float part[P][C::acc_regs];
 #pragma unroll
           for (int u = 0; u < P; ++u) {
@@ -742,9 +747,6 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
             decode_e4m3_raw(word_of(wq[kb], 2 * s2), f[u][0], f[u][1]);
             decode_e4m3_raw(word_of(wq[kb], 2 * s2 + 1), f[u][2], f[u][3]);
             wgmma::fence_operands(f[u]);
-#pragma unroll
-            for (int i = 0; i < C::acc_regs; ++i) part[u][i] = 0.f;
-            wgmma::fence_operands(part[u]);
           }
           wgmma::fence();
 #pragma unroll
