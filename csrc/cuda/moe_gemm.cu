@@ -155,6 +155,8 @@ struct WgCfg {
   static_assert(min_blocks * (pipe_bytes + (3 * 256 + 1) * 4 + 1024) <= 228 * 1024,
                 "shared memory budget (ring + schedule, min_blocks CTAs an SM)");
   static_assert(ahead >= 1 && ahead < stages, "loads ahead within the ring");
+  // store_tile_staged's [bm][columns + 16 bytes] float32 output tile reuses the ring.
+  static_assert(bm * (strips * 16 * 4 + 16) <= pipe_bytes - 1024, "output tile fits the ring");
 };
 // bf16 prefill: two CTAs an SM (<= 128 registers), each covering the other's barriers.
 using WgBf16Cfg = WgCfg<false, 2, 128, 2, 1, 2>;
@@ -585,6 +587,73 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   }
 }
 
+// The wgmma tiles' output: the tile's C fragments go through shared memory (the drained ring) as
+// a [token][column] tile of the output dtype, then leave as 16-byte row chunks: the fragments'
+// own stores would be 2-4-byte scatters (swap-AB puts tokens across lanes). Rows past tile_rows
+// and columns past n_out are not written; a misaligned output takes element stores.
+template <class C>
+__device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, bool out_bf16,
+                                                  int n_out, uint8_t* smem, int strip0,
+                                                  int tile_row0, int tile_rows,
+                                                  bool strip_active, const float* acc) {
+  constexpr int kCols = C::strips * 16;  // plain output columns of a tile (SwiGLU: half)
+  const int tid = threadIdx.x, lane = tid & 31, sidx = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int esize = out_bf16 ? 2 : 4;
+  const int cols = p.fuse_swiglu ? kCols / 2 : kCols;
+  const int col0 = strip0 * (p.fuse_swiglu ? 8 : 16);
+  // +16 bytes a row: the 4 token rows a warp's store touches fall in different banks.
+  const int pitch = cols * esize + 16;
+  auto put = [&](int tok, int col, float v) {
+    uint8_t* d = smem + tok * pitch + col * esize;
+    if (out_bf16)
+      *reinterpret_cast<__nv_bfloat16*>(d) = __float2bfloat16_rn(v);
+    else
+      *reinterpret_cast<float*>(d) = v;
+  };
+  if (strip_active) {
+    const int nj = (tile_rows + 7) / 8;
+#pragma unroll
+    for (int j = 0; j < C::bm / 8; ++j) {
+      if (j < nj) {
+        const float* c = acc + 4 * j;
+        const int tok = j * 8 + 2 * t;
+        if (p.fuse_swiglu) {  // gate row g (c0, c1), up row g + 8 (c2, c3) -> column 8 sidx + g
+#pragma unroll
+          for (int u = 0; u < 2; ++u)
+            put(tok + u, sidx * 8 + g, swiglu(c[u], c[2 + u], p.has_swiglu_limit, p.swiglu_limit));
+        } else {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) put(tok + (x & 1), sidx * 16 + g + (x >> 1) * 8, c[x]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  const int cols_here = min(cols, n_out - col0);  // > 0: the tile has a valid strip
+  const int chunks = cols * esize / 16;           // 16-byte chunks of a token row
+  const bool vec = (reinterpret_cast<uintptr_t>(p.out) & 15) == 0 && (n_out * esize) % 16 == 0;
+  uint8_t* out = static_cast<uint8_t*>(p.out);
+  for (int i = tid; i < tile_rows * chunks; i += C::threads) {
+    const int r = i / chunks, ch = i - r * chunks;
+    const int c = ch * (16 / esize);  // first column of the chunk
+    if (c >= cols_here) continue;
+    const uint8_t* src = smem + r * pitch + ch * 16;
+    uint8_t* dst = out + (static_cast<int64_t>(tile_row0 + r) * n_out + col0 + c) * esize;
+    if (vec && c + 16 / esize <= cols_here) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int e = 0; e < 16 / esize && c + e < cols_here; ++e) {
+        if (out_bf16)
+          reinterpret_cast<uint16_t*>(dst)[e] = reinterpret_cast<const uint16_t*>(src)[e];
+        else
+          reinterpret_cast<uint32_t*>(dst)[e] = reinterpret_cast<const uint32_t*>(src)[e];
+      }
+    }
+  }
+  __syncthreads();  // the next item's prologue overwrites the ring
+}
+
 // ---- the wgmma tile ----------------------------------------------------------------------------
 
 template <class C>
@@ -779,17 +848,9 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     wgmma::wait<0>();
     wgmma::fence_operands(acc);
     cp_async_wait<0>();
-    __syncthreads();  // the next item's prologue overwrites every stage and B tile
-
-    if (strip_active) {
-      const int nj = (tile_rows + 7) / 8;
-#pragma unroll
-      for (int j = 0; j < C::bm / 8; ++j) {
-        if (j < nj)
-          store_fragment(p, out_bf16, n_out, strip0 + sidx, g, j * 8 + 2 * t, tile_row0,
-                         tile_rows, acc + 4 * j);
-      }
-    }
+    __syncthreads();  // every stage read: the ring holds the output tile next
+    store_tile_staged<C>(p, out_bf16, n_out, smem, strip0, tile_row0, tile_rows, strip_active,
+                         acc);
   }
 }
 
