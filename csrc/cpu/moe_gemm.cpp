@@ -91,6 +91,29 @@ void dequant_row(const uint8_t* __restrict q, const uint8_t* __restrict sc, int6
 }
 #endif
 
+// W4A8: a dequantized row -> the weights as float8 activations use them (zeroinfer/moe_gemm.h):
+// per 128-k block, groups whose scale is more than 14 binades under the block's largest are
+// rounded to the e4m3 subnormal grid of that base (the others are exact already), a NaN base
+// makes the block NaN. The permuted K order stays inside each 32-group, so blocks are intact.
+void fold_w4a8_row(const uint8_t* __restrict sc, int64_t k, float* __restrict dst) {
+  for (int64_t blk = 0; blk < k / 128; ++blk) {
+    const uint8_t* s4 = sc + blk * 4;
+    const int b = std::max(std::max(s4[0], s4[1]), std::max(s4[2], s4[3]));
+    float* d = dst + blk * 128;
+    if (b == 255) {
+      std::fill(d, d + 128, std::nanf(""));
+      continue;
+    }
+    for (int g = 0; g < 4; ++g) {
+      if (b - s4[g] <= 14) continue;
+      for (int i = 0; i < 32; ++i) {  // x = e2m1 * 2^(s-b+6) < 2^-6: half-to-even on 2^-9
+        const float x = std::ldexp(d[g * 32 + i], 133 - b);
+        d[g * 32 + i] = std::ldexp(std::nearbyint(x * 512.f) / 512.f, b - 133);
+      }
+    }
+  }
+}
+
 // ---- activations: one row -> k floats in the same permuted K order ----------------------------
 // bf16 (both paths): 32 bf16 = 16 u32 lanes holding (even | odd << 16); even = lane << 16,
 // odd = lane & 0xffff0000 are exactly the float bits.
@@ -340,6 +363,7 @@ void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p) {
     for (int64_t j = 0; j < wr; ++j) {
       const int64_t row = j < tc ? c0 + j : n_half + c0 + (j - tc);
       dequant_row(wq + row * (k / 2), ws + row * groups, k, s.w.data() + j * k);
+      if (fp8) fold_w4a8_row(ws + row * groups, k, s.w.data() + j * k);
     }
 
     for (int64_t r0 = 0; r0 < cnt[e]; r0 += block) {

@@ -12,12 +12,13 @@
 //     bf16 exponent, 0.5 becomes the subnormal 2^-127); one bf16 multiply by 2^(scale-1) (two
 //     exact multiplies when a scale byte exceeds 128) folds in the bias and the UE8M0 scale,
 //     exactly. mma.sync m16n8k16 bf16 with float32 accumulation, in k order.
-//   W4A8 (e4m3 activations, per-token per-128 float32 scales): e2m1 -> e4m3 is exact the same way
-//     (bits s<<7 | c<<2 = value * 2^-6). One wgmma m64nNk32 e4m3 per 32-wide weight scale group
-//     from a zero accumulator, then acc = fma(partial * w_scale, a_scale * 64, acc) in float32
-//     (exact power-of-two product first; the 64 undoes the 2^-6 of the decode). Always wgmma:
-//     Hopper's float8 wgmma rounds a k32 group differently from mma.sync m16n8k32 (measured ~4e-4
-//     apart), so one instruction family keeps every float8 tile bitwise equal.
+//   W4A8 (e4m3 activations, per-token per-128 float32 scales; the contract is in
+//     zeroinfer/moe_gemm.h): per weight row and 128-k stage, base b = its largest UE8M0 byte;
+//     each e2m1 value becomes the e4m3 value * 2^(s-b+6) through a byte table (two prmt a
+//     register), the stage's four k32 groups run as one wgmma m64nNk32 chain from zero, then
+//     acc = fma(partial * 2^(b-133), a_scale, acc) in float32, in k order. Always wgmma: Hopper's
+//     float8 wgmma rounds differently from mma.sync m16n8k32 (measured ~4e-4 apart), so one
+//     instruction family keeps every float8 tile bitwise equal.
 //
 // K order: the MMA's k index is a permutation of the real k inside every 32-group (weights and
 // activations are permuted alike, so the dot product is unchanged): lane t of a k16 step holds
@@ -43,6 +44,7 @@
 // neither loaded nor stored (their shared-memory rows hold stale data that only ever feeds
 // output columns that are discarded).
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -70,7 +72,6 @@ static_assert(kMxfp4PackK % kBK == 0, "packed k must be whole stages");
 template <int kWarpsN, int kWarpsM, int kWN, int kWT, int kStages, int kMinBlocks>
 struct Cfg {
   static constexpr bool wgmma = false;
-  static constexpr bool fp8 = false;
   static constexpr int warps_n = kWarpsN;
   static constexpr int wn = kWN;  // 16-row strips per warp
   static constexpr int wt = kWT;  // 8-token steps per warp
@@ -115,20 +116,18 @@ using LargeCfg = Cfg<4, 2, 4, 8, 3, 1>;
 //     travel by 16-byte cp.async in the same ring as the weights. Its k16 reduction gives
 //     bitwise the results of the mma.sync tiles (tested).
 //   e4m3 (every float8 tile: m64 n{bm} k32): the e4m3 fragments are in real k order, so B is `a`
-//     itself. Each 32-k group (one weight scale) is one wgmma from a zero accumulator, then
-//     promoted into the fp32 accumulator (partial * w_scale, a_scale * 64, fma) in k order. Hopper's
-//     float8 wgmma sums a k32 group at a lower precision than mma.sync m16n8k32 does (measured:
-//     ~4e-4 relative apart), so float8 runs on wgmma at every size, decode included, and its
-//     tiles stay bitwise equal to each other. `parts` k32 groups are issued before one wait (the
-//     decode tiles' latency is the wgmma round trip, and their partials are small).
+//     itself. The UE8M0 scales are folded into the e4m3 weights per (row, 128-k stage) (W4A8 in
+//     zeroinfer/moe_gemm.h), so a stage's four k32 groups are ONE wgmma chain and one promotion:
+//     acc = fma(partial * 2^(b - 133), a_scale, acc). Hopper's float8 wgmma sums at a lower
+//     precision than mma.sync m16n8k32 does (measured: ~4e-4 relative apart), so float8 runs on
+//     wgmma at every size, decode included, and its tiles stay bitwise equal to each other.
 // Shared memory: a ring of `stages` (B tile, weights[, a_scale column]) stages, loaded `ahead`
 // stages ahead; B tiles first (each a whole number of 1024-byte swizzle atoms), then the rest.
 // The slot refilled at stage kt was read at stage kt + ahead - stages: with ahead = stages - 1
 // that is the stage just before, whose last wgmma the warpgroups wait for (wait<0>) before the
 // stage's barrier (float8 waits for every group inside its stage anyway); with fewer ahead it was
 // retired by the waits of the stage before, and the tensor cores never drain.
-template <bool kFp8, int kGroups, int kBM, int kStages, int kAhead, int kMinBlocks,
-          int kParts = 1>
+template <bool kFp8, int kGroups, int kBM, int kStages, int kAhead, int kMinBlocks>
 struct WgCfg {
   static constexpr bool wgmma = true;
   static constexpr bool fp8 = kFp8;
@@ -145,8 +144,6 @@ struct WgCfg {
   // +1024: the dynamic shared window is aligned to 1024 bytes inside the kernel.
   static constexpr int pipe_bytes = b_ring + stages * ws_bytes + 1024;
   static constexpr int acc_regs = bm / 2;                 // 64 x bm fp32 over 128 threads
-  static constexpr int parts = kParts;  // float8: k32 groups in flight before a wait (1, 2, 4)
-  static_assert(4 % kParts == 0, "parts divide a stage's four k32 groups");
   static_assert(kBK == 128, "a stage is two packed 64-k blocks");
   static_assert(bm % 8 == 0 && b_bytes % 1024 == 0 && ws_bytes % 16 == 0, "ring alignment");
   static_assert(bm <= threads, "one float8 scale row per thread");
@@ -163,9 +160,9 @@ using WgBf16Cfg = WgCfg<false, 2, 128, 2, 1, 2>;
 // float8: prefill (tile 4; also what tile 2 runs), decode (small, tile 1) and tiny (tile 3).
 // Measured alternatives for the prefill tile (bench/results/h200/moe_gemm_NOTES.md, session 5):
 // two groups in flight at one CTA an SM (222 registers) -20%; one warpgroup x 4 CTAs -7%.
-using WgFp8Cfg = WgCfg<true, 2, 64, 4, 3, 2, 1>;
-using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4, 2>;
-using WgFp8TinyCfg = WgCfg<true, 1, 8, 5, 4, 6, 4>;
+using WgFp8Cfg = WgCfg<true, 2, 64, 4, 3, 2>;
+using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
+using WgFp8TinyCfg = WgCfg<true, 1, 8, 5, 4, 6>;
 
 // ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -218,14 +215,30 @@ __device__ __forceinline__ void decode_bf16_scaled(uint32_t q, const uint32_t (&
   }
 }
 
-// float8 ("nibble") layout: value (r, j) is the nibble in slot 3, 7, 1, 5 (row g, j = 0..3) or
-// 2, 6, 0, 4 (row g+8). -> e4m3 A-fragment registers of one k16 half: rg = row g bytes j0..j3,
-// r8 = row g+8, each byte sgn<<7 | e1 e0 m<<2 = the value times 2^-6. Gather the bytes holding
-// j0..j3 first: row g's nibbles are then the high nibbles of x's bytes, row g+8's the low ones.
-__device__ __forceinline__ void decode_e4m3_raw(uint32_t q, uint32_t& rg, uint32_t& r8) {
-  const uint32_t x = __byte_perm(q, 0u, 0x2031u);  // bytes (1, 3, 0, 2) of q
-  rg = (x & 0x80808080u) | ((x >> 2) & 0x1C1C1C1Cu);
-  r8 = ((x << 4) & 0x80808080u) | ((x << 2) & 0x1C1C1C1Cu);
+// float8 ("nibble") layout: row g's values j = 0..3 are nibbles 0..3 of the word, row g+8's
+// nibbles 4..7 (3 code bits, then the sign). W4A8 folds the group's scale into e4m3 (see
+// zeroinfer/moe_gemm.h): `lut` holds the e4m3 bytes of the 8 magnitudes {0, .5, .., 6} x 2^e for
+// the row's group (e4m3_lut), so one prmt picks the 4 magnitudes by their code bits and a second
+// picks each byte or its negation by the sign bit (selector nibble j = j + 4 sign_j).
+__device__ __forceinline__ uint32_t decode_e4m3_lut(uint32_t q16, uint2 lut) {
+  const uint32_t mag = __byte_perm(lut.x, lut.y, q16 & 0x7777u);
+  return __byte_perm(mag, mag | 0x80808080u, ((q16 >> 1) & 0x4444u) | 0x3210u);
+}
+
+// The e4m3 byte tables: entry i (e = i - 13, i = 0..19) = the 8 magnitudes x 2^e rounded to
+// nearest even (e = -13: all zero; e >= -8: exact). Built once per CTA into shared memory.
+constexpr int kE4m3Luts = 20;
+__device__ __forceinline__ void e4m3_lut_init(uint8_t* luts) {
+  for (int i = threadIdx.x; i < kE4m3Luts * 8; i += blockDim.x) {
+    const int code = i & 7, e = code >> 1, m = code & 1;  // e2m1 magnitude code
+    const float mag = e == 0 ? 0.5f * m : ldexpf(1.f + 0.5f * m, e - 1);
+    luts[i] = static_cast<uint8_t>(
+        __nv_cvt_float_to_fp8(ldexpf(mag, (i >> 3) - 13), __NV_SATFINITE, __NV_E4M3));
+  }
+}
+// Table index of a group with scale byte s under the row's base b (>= s): e = s - b + 6.
+__device__ __forceinline__ int e4m3_lut_index(uint32_t b, uint32_t s) {
+  return kE4m3Luts - 1 - min(static_cast<int>(b - s), kE4m3Luts - 1);
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
@@ -663,6 +676,9 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   // array's alignment; the 128-byte swizzle needs 1024, so the window is aligned by hand.)
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  // float8: the e4m3 byte tables (their barrier is the schedule's).
+  __shared__ uint2 luts[C::fp8 ? kE4m3Luts : 1];
+  if constexpr (C::fp8) e4m3_lut_init(reinterpret_cast<uint8_t*>(luts));
   // The schedule arrays sit after the (aligned) pipeline: pipe_bytes includes the 1024 slack.
   const Schedule<C> sch(p, smem_raw + C::pipe_bytes);
 
@@ -740,8 +756,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // (SIMT) into register set s & 1 while step s-1's wgmma runs; wait<1> after each issue
     // retires the group that read the set the next decode overwrites (and, at a stage's last
     // step, every group of the stage before); the wgmma of a stage's last step is still running
-    // when the next stage starts. e4m3: 4 k32 groups, `parts` at a time waited for and promoted
-    // in turn (the other warpgroups and CTAs of the SM keep the tensor cores busy meanwhile).
+    // when the next stage starts. e4m3: the stage's 4 k32 groups as one chain, waited for and
+    // promoted once (the other warpgroups and CTAs of the SM keep the tensor cores busy).
     [[maybe_unused]] uint32_t a[2][4];
 #pragma unroll 1
     for (int kt = 0; kt < kt_total; ++kt) {
@@ -790,58 +806,55 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           wgmma::wait<1>();
         }
       } else {
-        // e4m3: per 32-k group q (one weight scale), a wgmma from zero, then the promotion
-        // acc = fma(partial * w_scale, a_scale * 64, acc), in k order; C::parts groups are in
-        // flight before one wait. (The token scales are re-read from shared memory for each group
-        // rather than held: at 64 tokens 16 more registers would not fit two CTAs an SM.)
+        // e4m3, W4A8: per row, base b = the largest of its 4 scale bytes in the stage; the
+        // weights decoded to e4m3 through the byte table of e = s - b + 6; the 4 k32 groups as
+        // one wgmma chain; one promotion acc = fma(partial * 2^(b - 133), a_scale, acc).
+        // (The token scales are re-read from shared memory rather than held: at 64 tokens 16 more
+        // registers would not fit two CTAs an SM.)
         const float* sst = reinterpret_cast<const float*>(ws + C::w_bytes);
-        constexpr int P = C::parts;
-        constexpr int kBlocks = (P + 1) / 2;  // 64-k blocks the P groups lie in
+        const uint4 wq[2] = {*reinterpret_cast<const uint4*>(wst + lane * 16),
+                             *reinterpret_cast<const uint4*>(wst + kBlk + lane * 16)};
+        const uint32_t sc[2] = {*reinterpret_cast<const uint32_t*>(wst + 512 + g * 4),
+                                *reinterpret_cast<const uint32_t*>(wst + kBlk + 512 + g * 4)};
+        const uint32_t mx = __vmaxu4(sc[0], sc[1]);  // bytes: (g, s0|s2), (g, s1|s3), (g+8, ..)
+        const uint32_t bg = max(mx & 0xffu, (mx >> 8) & 0xffu);
+        const uint32_t b8 = max((mx >> 16) & 0xffu, mx >> 24);
+        uint32_t f[4][4];
 #pragma unroll
-        for (int q0 = 0; q0 < 4; q0 += P) {
-          uint4 wq[kBlocks];
-          uint32_t sc[kBlocks];
+        for (int q = 0; q < 4; ++q) {  // k32 group q = 2 kb + s2 of the stage
+          const int kb = q >> 1, s2 = q & 1;
+          const uint2 lg = luts[e4m3_lut_index(bg, (sc[kb] >> (8 * s2)) & 0xffu)];
+          const uint2 l8 = luts[e4m3_lut_index(b8, (sc[kb] >> (8 * (2 + s2))) & 0xffu)];
 #pragma unroll
-          for (int b = 0; b < kBlocks; ++b) {
-            const uint8_t* blk = wst + ((q0 >> 1) + b) * kBlk;
-            wq[b] = *reinterpret_cast<const uint4*>(blk + lane * 16);
-            sc[b] = *reinterpret_cast<const uint32_t*>(blk + 512 + g * 4);
+          for (int h = 0; h < 2; ++h) {  // a0 / a2: row g, a1 / a3: row g + 8
+            const uint32_t w = word_of(wq[kb], 2 * s2 + h);
+            f[q][2 * h] = decode_e4m3_lut(w, lg);
+            f[q][2 * h + 1] = decode_e4m3_lut(w >> 16, l8);
           }
-          uint32_t f[P][4];
-          // (No zeroing: the wgmma with accumulate = false ignores the registers' values.)
-          float part[P][C::acc_regs];
+          wgmma::fence_operands(f[q]);
+        }
+        // (No zeroing: the chain's first wgmma, accumulate = false, ignores the registers.)
+        float part[C::acc_regs];
+        wgmma::fence();
 #pragma unroll
-          for (int u = 0; u < P; ++u) {
-            const int kb = ((q0 + u) >> 1) - (q0 >> 1), s2 = (q0 + u) & 1;
-            decode_e4m3_raw(word_of(wq[kb], 2 * s2), f[u][0], f[u][1]);
-            decode_e4m3_raw(word_of(wq[kb], 2 * s2 + 1), f[u][2], f[u][3]);
-            wgmma::fence_operands(f[u]);
-          }
-          wgmma::fence();
+        for (int q = 0; q < 4; ++q) {
+          uint64_t desc[1] = {wgmma::desc_sw128(b_base + q * 32, 16, 1024)};
+          wgmma::fence_operands(desc);
+          wgmma::wgmma_e4m3_rs<C::bm>(part, f[q], desc[0], q > 0);
+        }
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::fence_operands(part);
+        // 2^(b - 133) exactly (a power of two >= 2^-133), NaN for b = 255.
+        const float fg = ue8m0_to_float(static_cast<uint8_t>(bg)) * 0.015625f;
+        const float f8 = ue8m0_to_float(static_cast<uint8_t>(b8)) * 0.015625f;
 #pragma unroll
-          for (int u = 0; u < P; ++u) {
-            uint64_t desc[1] = {wgmma::desc_sw128(b_base + (q0 + u) * 32, 16, 1024)};
-            wgmma::fence_operands(desc);
-            wgmma::wgmma_e4m3_rs<C::bm>(part[u], f[u], desc[0], false);
-          }
-          wgmma::commit();
-          wgmma::wait<0>();
-#pragma unroll
-          for (int u = 0; u < P; ++u) {
-            wgmma::fence_operands(part[u]);
-            const int kb = ((q0 + u) >> 1) - (q0 >> 1), s2 = (q0 + u) & 1;
-            const float wg = ue8m0_to_float(static_cast<uint8_t>(sc[kb] >> (8 * s2)));
-            const float w8 = ue8m0_to_float(static_cast<uint8_t>(sc[kb] >> (8 * (2 + s2))));
-#pragma unroll
-            for (int j = 0; j < C::bm / 8; ++j) {  // this thread's tokens 8 j + 2 t (+1)
-              const float2 as = *reinterpret_cast<const float2*>(sst + j * 8 + 2 * t);
-              const float as0 = as.x * 64.f, as1 = as.y * 64.f;
-              acc[4 * j + 0] = fmaf(part[u][4 * j + 0] * wg, as0, acc[4 * j + 0]);
-              acc[4 * j + 1] = fmaf(part[u][4 * j + 1] * wg, as1, acc[4 * j + 1]);
-              acc[4 * j + 2] = fmaf(part[u][4 * j + 2] * w8, as0, acc[4 * j + 2]);
-              acc[4 * j + 3] = fmaf(part[u][4 * j + 3] * w8, as1, acc[4 * j + 3]);
-            }
-          }
+        for (int j = 0; j < C::bm / 8; ++j) {  // this thread's tokens 8 j + 2 t (+1)
+          const float2 as = *reinterpret_cast<const float2*>(sst + j * 8 + 2 * t);
+          acc[4 * j + 0] = fmaf(part[4 * j + 0] * fg, as.x, acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(part[4 * j + 1] * fg, as.y, acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(part[4 * j + 2] * f8, as.x, acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(part[4 * j + 3] * f8, as.y, acc[4 * j + 3]);
         }
       }
     }

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zeroinfer.ops.moe_gemm import mxfp4_grouped_gemm
-from zeroinfer.reference.moe_gemm import mxfp4_grouped_gemm_ref
+from zeroinfer.reference.moe_gemm import dequantize_expert_w4a8_f64, mxfp4_grouped_gemm_ref
 
 FP8 = torch.float8_e4m3fn
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -323,6 +323,41 @@ def test_extreme_scales(gen):
     y = mxfp4_grouped_gemm(a, w, s, expert_offsets=off)
     ref = mxfp4_grouped_gemm_ref(a, w, s, expert_offsets=off)
     assert torch.equal(y.double(), ref.float().double())
+
+
+def test_w4a8_folds_the_scale_per_128_block(gen):
+    """W4A8 (zeroinfer/moe_gemm.h): per (row, 128-k block) base b = max scale byte; a weight is
+    e2m1 * 2^(s-b+6) rounded to e4m3, i.e. exact within 14 binades of b and rounded half-to-even
+    on the 2^-9 grid below; a NaN base poisons the block. Hand-computed values, through the CPU
+    op with one-hot float8 rows (Y = W exactly) and through the reference."""
+    K = 256
+    codes = torch.arange(16, dtype=torch.uint8).repeat(K // 16)      # every e2m1 code, k order
+    w = (codes[0::2] | codes[1::2] << 4).reshape(1, 1, K // 2)
+    b = 140
+    # block 0: d = 0, -14 (exact), -15, -16 (rounded); block 1: d = 0, -12, -20 (all 0), NaN base
+    s = torch.tensor([[[b, b - 14, b - 15, b - 16, b, b - 12, b - 20, b]]], dtype=torch.uint8)
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    want = torch.empty(K, dtype=torch.float64)
+    for k in range(K):
+        c = int(codes[k])
+        v = math.copysign(e2m1[c & 7], -1.0 if c & 8 else 1.0)
+        d = int(s[0, 0, k // 32]) - b
+        x = v * 2.0 ** (d + 6)            # the e4m3 value before rounding
+        if abs(x) < 2.0 ** -6:            # subnormal grid: half to even on 2^-9
+            x = round(x * 512) / 512      # (Python's round is half-to-even)
+        want[k] = x * 2.0 ** (b - 133)
+    assert want[65] == 0.0 and want[67] == 2 * 2.0 ** (b - 142)  # d = -15: 0.5 -> 0, 1.5 -> 2
+    a = torch.eye(K).to(FP8)
+    a_scale = torch.ones(K, K // 128)
+    off = torch.tensor([0, K], dtype=torch.int32)
+    ref = mxfp4_grouped_gemm_ref(a, w, s, a_scale=a_scale, expert_offsets=off)[:, 0]
+    y = mxfp4_grouped_gemm(a, w, s, a_scale=a_scale, expert_offsets=off)[:, 0].double()
+    assert torch.equal(ref, want) and torch.equal(y, want)
+    s[0, 0, 7] = 255  # a NaN scale byte: its whole 128-k block is NaN, the other unchanged
+    wd = dequantize_expert_w4a8_f64(w[0], s[0])[0]
+    assert torch.equal(wd[:128], want[:128]) and torch.isnan(wd[128:]).all()
+    y = mxfp4_grouped_gemm(a, w, s, a_scale=a_scale, expert_offsets=off)
+    assert torch.isnan(y).all()  # (every dot product meets the NaN weights, if only times 0)
 
 
 # ----------------------------------------------------------------------- properties (hypothesis)

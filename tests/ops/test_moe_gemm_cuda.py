@@ -25,7 +25,8 @@ from test_moe_gemm import rand_weights as narrow_weights
 import zeroinfer.ops.moe_gemm as mg
 from zeroinfer import _C
 from zeroinfer.ops import Mxfp4PackedWeights, mxfp4_grouped_gemm, mxfp4_prepack, mxfp4_unpack
-from zeroinfer.reference.moe_gemm import dequantize_expert_f64, mxfp4_grouped_gemm_ref
+from zeroinfer.reference.moe_gemm import (dequantize_expert_f64, dequantize_expert_w4a8_f64,
+                                          mxfp4_grouped_gemm_ref)
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -157,44 +158,52 @@ def emulate_bf16_weights(pw):
     return W
 
 
+_E2M1_MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e4m3_lut_byte(idx, mag):
+    """The kernel's byte table (e4m3_lut_init): e4m3 bits of mags[mag] * 2^(idx - 13), i.e. for
+    e = s - b + 6 = idx - 13, rounded to nearest even by the float8 cast (idx 0, e = -13: every
+    value under half the smallest subnormal)."""
+    v = torch.tensor([_E2M1_MAGS[mag] * 2.0 ** (idx - 13)], dtype=torch.float32)
+    return int(v.to(FP8).view(torch.uint8))
+
+
 def emulate_e4m3_weights(pw):
-    """W [E, n_pad, k_pad] float64 as the e4m3 path consumes it (partial * w_scale * 64)."""
+    """W [E, n_pad, k_pad] float64 as the W4A8 path consumes it: per row and 128-k stage (two
+    packed blocks) base b = max of its four scale bytes; each nibble -> the e4m3 byte of table
+    idx = 19 - min(b - s, 19) (prmt by its code bits, negated by its sign bit); W = e4m3 value
+    * 2^(b - 133)."""
     words, sc = _u32_words(pw)
     E, nb, kb = words.shape[:3]
+    lut = torch.tensor([[_e4m3_lut_byte(i, m) for m in range(8)] for i in range(20)])
     W = torch.full((E, nb * 16, kb * 64), float("nan"), dtype=torch.float64)
-    M = 0xFFFFFFFF
-    scale = torch.where(sc == 255, torch.tensor(float("nan"), dtype=torch.float64),
-                        torch.exp2(sc.double() - 127))
     for lane in range(32):
         g, t = divmod(lane, 4)
-        for s in range(2):
-            regs = []
-            for h in range(2):  # decode_e4m3_raw on word 2s + h
-                q = words[:, :, :, lane, 2 * s + h]
-                b = [(q >> (8 * i)) & 0xFF for i in range(4)]
-                x = b[1] | b[3] << 8 | b[0] << 16 | b[2] << 24  # __byte_perm(q, 0, 0x2031)
-                rg = (x & 0x80808080) | ((x >> 2) & 0x1C1C1C1C)
-                r8 = ((x << 4) & M & 0x80808080) | ((x << 2) & M & 0x1C1C1C1C)
-                regs += [rg, r8]
-            a = [regs[0], regs[1], regs[2], regs[3]]
-            # PTX m16n8k32 (8-bit) A fragment: a0 (g; 4t..4t+3) a1 (g+8; 4t..) a2 (g; 16+4t..)
-            # a3 (g+8; 16+4t..); the kernel's B fragment: b0 real k 32s + 4t.., b1 32s+16+4t..
-            for p, (row, kl0) in enumerate(((g, 4 * t), (g + 8, 4 * t), (g, 16 + 4 * t),
-                                            (g + 8, 16 + 4 * t))):
-                ws = scale[:, :, :, g, s] if row == g else scale[:, :, :, g, 2 + s]
-                for i in range(4):
-                    real = 32 * s + kl0 + i
-                    raw = _e4m3_bits_to_f64((a[p] >> (8 * i)) & 0xFF)
-                    blk_rows = torch.arange(nb) * 16 + row
-                    blk_k = torch.arange(kb) * 64 + real
-                    W[:, blk_rows[:, None], blk_k[None, :]] = raw * 64 * ws
+        for r in range(2):  # row g (scale bytes 0, 1), row g + 8 (bytes 2, 3)
+            s_blk = sc[:, :, :, g, 2 * r:2 * r + 2]                    # [E, nb, kb, 2 groups]
+            stage = s_blk.reshape(E, nb, kb // 2, 4)                   # two packed blocks
+            base = stage.amax(-1).repeat_interleave(2, dim=-1)         # [E, nb, kb]
+            factor = torch.where(base == 255, torch.tensor(float("nan"), dtype=torch.float64),
+                                 torch.exp2(base.double() - 133))
+            for word in range(4):
+                grp, h = divmod(word, 2)
+                idx = 19 - torch.clamp(base - s_blk[..., grp], max=19)
+                q = words[:, :, :, lane, word]
+                for j in range(4):
+                    nib = (q >> (4 * (4 * r + j))) & 0xF
+                    byte = lut[idx, nib & 7] | ((nib >> 3) << 7)
+                    val = _e4m3_bits_to_f64(byte) * factor
+                    real = 32 * grp + 16 * h + 4 * t + j
+                    W[:, torch.arange(nb)[:, None] * 16 + g + 8 * r,
+                      torch.arange(kb)[None, :] * 64 + real] = val
     return W
 
 
-def _packed_reference(pw, w, s):
+def _packed_reference(pw, w, s, dequantize=dequantize_expert_f64):
     """Dequantized checkpoint weights placed in packed row order, padded like the packing."""
     n_pad, src = mg._packed_rows(pw.n, pw.fuse_swiglu, torch.device("cpu"))
-    deq = dequantize_expert_f64(w, s)  # [E, N, K]
+    deq = dequantize(w, s)  # [E, N, K]
     ref = torch.zeros(w.shape[0], n_pad, pw.k_pad, dtype=torch.float64)
     keep = src >= 0
     ref[:, keep, :pw.k] = deq[:, src[keep]]
@@ -286,7 +295,8 @@ def test_emulated_e4m3_decode_is_exact(gen, fuse):
     w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
     s = torch.randint(0, 256, (E, N, K // 32), dtype=torch.uint8, generator=gen)
     pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=FP8)
-    assert _same(emulate_e4m3_weights(pw), _packed_reference(pw, w, s))
+    # (the padding rows: zero values under scale byte 127 fold to zero, as the reference's)
+    assert _same(emulate_e4m3_weights(pw), _packed_reference(pw, w, s, dequantize_expert_w4a8_f64))
 
 
 # ======================================================= CPU: packed weights through the op

@@ -6,6 +6,14 @@
 //   contiguous: A [m, k], expert e owns rows [offsets[e], offsets[e] + count_e)  (moe_dispatch)
 //   masked:     A [E, cap, k], expert e owns rows [0, masked_m[e]) of A[e]  (per-expert capacity)
 // Output rows that belong to no expert are never written.
+//
+// W4A8 (float8 activations, k a multiple of 128): the weights take part as e4m3 with the UE8M0
+// scale folded in, relative to a per-(row, 128-k block) base b = the largest of the block's four
+// scale bytes: W[n, k] = q * 2^(b-133), q = e2m1 * 2^(s-b+6) rounded to e4m3 (exact while
+// s >= b - 14; below that q falls under 2^-6 and is rounded half-to-even to a multiple of 2^-9,
+// possibly to 0). b = 255 (NaN) makes the whole block NaN. This is what lets a GPU kernel run the
+// 128-k block as one float8 tensor-core chain with one float32 rescale (the CPU twin and the
+// reference follow the same rule).
 #pragma once
 
 #include <cstdint>

@@ -58,7 +58,8 @@ def _kslot_order(a: torch.Tensor) -> torch.Tensor:
 # value's 4 bits (m = mantissa, e0, e1 = exponent, sgn) sit in the word depends on the
 # activation type the weights are packed for (each decodes with the fewest instructions):
 #   float8 ("nibble" layout): value (r, j) is the nibble in slot i (bits 4i..4i+3, in the
-#     checkpoint's bit order) with i = 3, 7, 1, 5 for row g and j = 0..3, 2, 6, 0, 4 for row g+8.
+#     checkpoint's bit order) with i = j for row g and i = 4 + j for row g+8: the low / high 16
+#     bits are a prmt selector (3 code bits, then the sign) for the row's 4 e4m3 bytes.
 #   bfloat16: bit positions (m, e0, e1, sgn) of
 #     (g, 0): 6, 7, 8, 15      (g, 1): 22, 23, 24, 31   (g+8, 0): 9, 10, 11, 18
 #     (g+8, 1): 25, 26, 27, 2  (g, 2): 12, 13, 14, 21   (g, 3): 28, 29, 30, 5
@@ -71,8 +72,7 @@ def _kslot_order(a: torch.Tensor) -> torch.Tensor:
 # With fuse_swiglu the packed block b holds gate rows 8b..8b+7 (positions 0..7) and up rows
 # N/2 + 8b..8b+7 (positions 8..15), so each thread owns the gate and up value of an output.
 # --------------------------------------------------------------------------------------------
-_FP8_SLOTS = {(0, 0): 3, (0, 1): 7, (0, 2): 1, (0, 3): 5, (1, 0): 2, (1, 1): 6, (1, 2): 0,
-              (1, 3): 4}
+_FP8_SLOTS = {(r, j): 4 * r + j for r in range(2) for j in range(4)}
 _BF16_BITS = {(0, 0): (6, 7, 8, 15), (0, 1): (22, 23, 24, 31), (1, 0): (9, 10, 11, 18),
               (1, 1): (25, 26, 27, 2), (0, 2): (12, 13, 14, 21), (0, 3): (28, 29, 30, 5),
               (1, 2): (3, 0, 1, 4), (1, 3): (19, 16, 17, 20)}

@@ -2,7 +2,9 @@
 
 Decodes the checkpoint bytes itself (no kernel or quant-helper code): byte j of a weight row holds
 element 2j in the low nibble and 2j+1 in the high nibble; nibble -> e2m1 value through the table
-below; one UE8M0 scale byte 2^(b-127) per 32 elements along K.
+below; one UE8M0 scale byte 2^(b-127) per 32 elements along K. Float8 activations (W4A8) use the
+weights with the scale folded into e4m3 per 128-k block (dequantize_expert_w4a8_f64; the rule is
+in zeroinfer/moe_gemm.h).
 """
 
 from __future__ import annotations
@@ -16,18 +18,37 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-def dequantize_expert_f64(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """``w`` ``[..., N, K/2]`` packed bytes, ``w_scale`` ``[..., N, K/32]`` UE8M0 -> float64
-    ``[..., N, K]``."""
+def _e2m1_f64(w: torch.Tensor) -> torch.Tensor:
     wb = _bytes(w).to(torch.int64)
     lo, hi = wb & 0xF, wb >> 4
     # element 2j = low nibble of byte j, element 2j+1 = high nibble
     nib = torch.stack([lo, hi], dim=-1).reshape(*wb.shape[:-1], wb.shape[-1] * 2)
-    lut = torch.tensor(_E2M1, dtype=torch.float64, device=w.device)
-    vals = lut[nib]
+    return torch.tensor(_E2M1, dtype=torch.float64, device=w.device)[nib]
+
+
+def _ue8m0_f64(b: torch.Tensor) -> torch.Tensor:
+    return torch.where(b == 255, torch.full_like(b, float("nan")), torch.exp2(b - 127.0))
+
+
+def dequantize_expert_f64(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[..., N, K/2]`` packed bytes, ``w_scale`` ``[..., N, K/32]`` UE8M0 -> float64
+    ``[..., N, K]``."""
     sb = _bytes(w_scale).to(torch.float64)
-    scale = torch.where(sb == 255, torch.full_like(sb, float("nan")), torch.exp2(sb - 127.0))
-    return vals * scale.repeat_interleave(32, dim=-1)
+    return _e2m1_f64(w) * _ue8m0_f64(sb).repeat_interleave(32, dim=-1)
+
+
+def dequantize_expert_w4a8_f64(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The weights as W4A8 uses them (zeroinfer/moe_gemm.h): per (row, 128-k block) base b = max
+    of its four scale bytes, q = e2m1 * 2^(s-b+6) rounded to e4m3 (below 2^-6: half-to-even to a
+    multiple of 2^-9), W = q * 2^(b-133); b = 255 -> the block is NaN. K % 128 == 0."""
+    sb = _bytes(w_scale).to(torch.float64)
+    blocks = sb.reshape(*sb.shape[:-1], -1, 4)
+    b = blocks.amax(dim=-1, keepdim=True)
+    shift = (blocks - b + 6).reshape(sb.shape).repeat_interleave(32, dim=-1)
+    x = _e2m1_f64(w) * torch.exp2(shift)
+    q = torch.where(x.abs() < 2.0**-6, torch.round(x * 512) / 512, x)
+    base = _ue8m0_f64(b.squeeze(-1)) * 2.0**-6
+    return q * base.repeat_interleave(128, dim=-1)
 
 
 def _act_f64(a: torch.Tensor, a_scale: torch.Tensor | None) -> torch.Tensor:
@@ -76,6 +97,7 @@ def mxfp4_grouped_gemm_ref(a, w, w_scale, *, expert_offsets=None, expert_counts=
             dst = out
         if rows.shape[0] == 0:
             continue
-        wd = dequantize_expert_f64(w[e], w_scale[e])
+        wd = (dequantize_expert_w4a8_f64 if a.dtype == torch.float8_e4m3fn
+              else dequantize_expert_f64)(w[e], w_scale[e])
         dst[start:start + rows.shape[0]] = _epilogue(rows @ wd.T, fuse_swiglu, swiglu_limit)
     return out
