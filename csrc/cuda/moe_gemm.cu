@@ -14,8 +14,8 @@
 //     exactly. mma.sync m16n8k16 bf16 with float32 accumulation, in k order.
 //   W4A8 (e4m3 activations, per-token per-128 float32 scales; the contract is in
 //     zeroinfer/moe_gemm.h): per weight row and 128-k stage, base b = its largest UE8M0 byte;
-//     each e2m1 value becomes the e4m3 value * 2^(s-b+6) through a byte table (two prmt a
-//     register), the stage's four k32 groups run as one wgmma m64nNk32 chain from zero, then
+//     each e2m1 value becomes the e4m3 value * 2^(s-b+6) through a byte table (a prmt and a
+//     LOP3 a register), the stage's four k32 groups run as one wgmma m64nNk32 chain from zero, then
 //     acc = fma(partial * 2^(b-133), a_scale, acc) in float32, in k order. Always wgmma: Hopper's
 //     float8 wgmma rounds differently from mma.sync m16n8k32 (measured ~4e-4 apart), so one
 //     instruction family keeps every float8 tile bitwise equal.
@@ -215,14 +215,15 @@ __device__ __forceinline__ void decode_bf16_scaled(uint32_t q, const uint32_t (&
   }
 }
 
-// float8 ("nibble") layout: row g's values j = 0..3 are nibbles 0..3 of the word, row g+8's
-// nibbles 4..7 (3 code bits, then the sign). W4A8 folds the group's scale into e4m3 (see
-// zeroinfer/moe_gemm.h): `lut` holds the e4m3 bytes of the 8 magnitudes {0, .5, .., 6} x 2^e for
-// the row's group (e4m3_lut), so one prmt picks the 4 magnitudes by their code bits and a second
-// picks each byte or its negation by the sign bit (selector nibble j = j + 4 sign_j).
-__device__ __forceinline__ uint32_t decode_e4m3_lut(uint32_t q16, uint2 lut) {
-  const uint32_t mag = __byte_perm(lut.x, lut.y, q16 & 0x7777u);
-  return __byte_perm(mag, mag | 0x80808080u, ((q16 >> 1) & 0x4444u) | 0x3210u);
+// float8 layout: the 3 code bits of (row g, j) are bits 4j..4j+2 of the word, of (row g+8, j)
+// bits 16+4j..; the signs are bits 8j+7 (row g) and 8j+3 (row g+8). W4A8 folds the group's scale
+// into e4m3 (see zeroinfer/moe_gemm.h): `lut` holds the e4m3 bytes of the 8 magnitudes
+// {0, .5, .., 6} x 2^e for the row's group (e4m3_lut_init), so one prmt picks a row's 4 bytes by
+// their code bits and one LOP3 ORs in the signs.
+__device__ __forceinline__ void decode_e4m3_lut(uint32_t q, uint2 lg, uint2 l8, uint32_t& rg,
+                                                uint32_t& r8) {
+  rg = __byte_perm(lg.x, lg.y, q & 0x7777u) | (q & 0x80808080u);
+  r8 = __byte_perm(l8.x, l8.y, (q >> 16) & 0x7777u) | ((q << 4) & 0x80808080u);
 }
 
 // The e4m3 byte tables: entry i (e = i - 13, i = 0..19) = the 8 magnitudes x 2^e rounded to
@@ -826,11 +827,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           const uint2 lg = luts[e4m3_lut_index(bg, (sc[kb] >> (8 * s2)) & 0xffu)];
           const uint2 l8 = luts[e4m3_lut_index(b8, (sc[kb] >> (8 * (2 + s2))) & 0xffu)];
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {  // a0 / a2: row g, a1 / a3: row g + 8
-            const uint32_t w = word_of(wq[kb], 2 * s2 + h);
-            f[q][2 * h] = decode_e4m3_lut(w, lg);
-            f[q][2 * h + 1] = decode_e4m3_lut(w >> 16, l8);
-          }
+          for (int h = 0; h < 2; ++h)  // a0 / a2: row g, a1 / a3: row g + 8
+            decode_e4m3_lut(word_of(wq[kb], 2 * s2 + h), lg, l8, f[q][2 * h], f[q][2 * h + 1]);
           wgmma::fence_operands(f[q]);
         }
         // (No zeroing: the chain's first wgmma, accumulate = false, ignores the registers.)

@@ -172,7 +172,7 @@ def _e4m3_lut_byte(idx, mag):
 def emulate_e4m3_weights(pw):
     """W [E, n_pad, k_pad] float64 as the W4A8 path consumes it: per row and 128-k stage (two
     packed blocks) base b = max of its four scale bytes; each nibble -> the e4m3 byte of table
-    idx = 19 - min(b - s, 19) (prmt by its code bits, negated by its sign bit); W = e4m3 value
+    idx = 19 - min(b - s, 19) (prmt by its code bits, then its sign bit); W = e4m3 value
     * 2^(b - 133)."""
     words, sc = _u32_words(pw)
     E, nb, kb = words.shape[:3]
@@ -190,9 +190,10 @@ def emulate_e4m3_weights(pw):
                 grp, h = divmod(word, 2)
                 idx = 19 - torch.clamp(base - s_blk[..., grp], max=19)
                 q = words[:, :, :, lane, word]
-                for j in range(4):
-                    nib = (q >> (4 * (4 * r + j))) & 0xF
-                    byte = lut[idx, nib & 7] | ((nib >> 3) << 7)
+                for j in range(4):  # prmt by the code bits, then the sign bit ORed in
+                    code = (q >> (4 * (4 * r + j))) & 7
+                    sign = (q >> (8 * j + (7 if r == 0 else 3))) & 1
+                    byte = lut[idx, code] | (sign << 7)
                     val = _e4m3_bits_to_f64(byte) * factor
                     real = 32 * grp + 16 * h + 4 * t + j
                     W[:, torch.arange(nb)[:, None] * 16 + g + 8 * r,

@@ -57,9 +57,10 @@ def _kslot_order(a: torch.Tensor) -> torch.Tensor:
 # the 8 values (r, j), r in {row g, row g + 8}, j in 0..3, at k = 32s + 16h + 4t + j. Where each
 # value's 4 bits (m = mantissa, e0, e1 = exponent, sgn) sit in the word depends on the
 # activation type the weights are packed for (each decodes with the fewest instructions):
-#   float8 ("nibble" layout): value (r, j) is the nibble in slot i (bits 4i..4i+3, in the
-#     checkpoint's bit order) with i = j for row g and i = 4 + j for row g+8: the low / high 16
-#     bits are a prmt selector (3 code bits, then the sign) for the row's 4 e4m3 bytes.
+#   float8: value (r, j)'s 3 code bits (m, e0, e1) are bits 4i..4i+2 with i = 4r + j, so the low
+#     / high 16 bits masked with 0x7777 are a prmt selector of the row's 4 e4m3 bytes; its sign
+#     bit is bit 8j + 7 (row g) or 8j + 3 (row g+8): the word masked with 0x80808080, or shifted
+#     left by 4 and masked, is the sign of each byte.
 #   bfloat16: bit positions (m, e0, e1, sgn) of
 #     (g, 0): 6, 7, 8, 15      (g, 1): 22, 23, 24, 31   (g+8, 0): 9, 10, 11, 18
 #     (g+8, 1): 25, 26, 27, 2  (g, 2): 12, 13, 14, 21   (g, 3): 28, 29, 30, 5
@@ -72,7 +73,8 @@ def _kslot_order(a: torch.Tensor) -> torch.Tensor:
 # With fuse_swiglu the packed block b holds gate rows 8b..8b+7 (positions 0..7) and up rows
 # N/2 + 8b..8b+7 (positions 8..15), so each thread owns the gate and up value of an output.
 # --------------------------------------------------------------------------------------------
-_FP8_SLOTS = {(r, j): 4 * r + j for r in range(2) for j in range(4)}
+_FP8_BITS = {(r, j): (4 * (4 * r + j), 4 * (4 * r + j) + 1, 4 * (4 * r + j) + 2,
+                     8 * j + (7 if r == 0 else 3)) for r in range(2) for j in range(4)}
 _BF16_BITS = {(0, 0): (6, 7, 8, 15), (0, 1): (22, 23, 24, 31), (1, 0): (9, 10, 11, 18),
               (1, 1): (25, 26, 27, 2), (0, 2): (12, 13, 14, 21), (0, 3): (28, 29, 30, 5),
               (1, 2): (3, 0, 1, 4), (1, 3): (19, 16, 17, 20)}
@@ -82,9 +84,7 @@ _BLOCK_MAPS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Te
 
 def _word_bits(act_dtype: torch.dtype) -> dict[tuple[int, int], tuple[int, int, int, int]]:
     """(r, j) -> bit positions in the 32-bit word of (m, e0, e1, sgn), i.e. of nibble bits 0..3."""
-    if act_dtype == _FP8:
-        return {rj: tuple(4 * slot + b for b in range(4)) for rj, slot in _FP8_SLOTS.items()}
-    return _BF16_BITS
+    return _FP8_BITS if act_dtype == _FP8 else _BF16_BITS
 
 
 def _block_maps(device: torch.device,
