@@ -226,20 +226,17 @@ __device__ __forceinline__ void decode_e4m3_lut(uint32_t q, uint2 lg, uint2 l8, 
   r8 = __byte_perm(l8.x, l8.y, (q >> 16) & 0x7777u) | ((q << 4) & 0x80808080u);
 }
 
-// The e4m3 byte tables: entry i (e = i - 13, i = 0..19) = the 8 magnitudes x 2^e rounded to
-// nearest even (e = -13: all zero; e >= -8: exact). Built once per CTA into shared memory.
-constexpr int kE4m3Luts = 20;
+// The e4m3 byte tables, indexed by d = b - s (0..255): entry d = the 8 magnitudes x 2^(6 - d)
+// rounded to nearest even (exact for d <= 14, all zero from d = 20). 2 KB of shared memory, built
+// once per CTA; indexing by the raw byte difference saves a clamp per group.
+constexpr int kE4m3Luts = 256;
 __device__ __forceinline__ void e4m3_lut_init(uint8_t* luts) {
   for (int i = threadIdx.x; i < kE4m3Luts * 8; i += blockDim.x) {
     const int code = i & 7, e = code >> 1, m = code & 1;  // e2m1 magnitude code
     const float mag = e == 0 ? 0.5f * m : ldexpf(1.f + 0.5f * m, e - 1);
     luts[i] = static_cast<uint8_t>(
-        __nv_cvt_float_to_fp8(ldexpf(mag, (i >> 3) - 13), __NV_SATFINITE, __NV_E4M3));
+        __nv_cvt_float_to_fp8(ldexpf(mag, 6 - (i >> 3)), __NV_SATFINITE, __NV_E4M3));
   }
-}
-// Table index of a group with scale byte s under the row's base b (>= s): e = s - b + 6.
-__device__ __forceinline__ int e4m3_lut_index(uint32_t b, uint32_t s) {
-  return kE4m3Luts - 1 - min(static_cast<int>(b - s), kE4m3Luts - 1);
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
@@ -817,15 +814,20 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
                              *reinterpret_cast<const uint4*>(wst + kBlk + lane * 16)};
         const uint32_t sc[2] = {*reinterpret_cast<const uint32_t*>(wst + 512 + g * 4),
                                 *reinterpret_cast<const uint32_t*>(wst + kBlk + 512 + g * 4)};
-        const uint32_t mx = __vmaxu4(sc[0], sc[1]);  // bytes: (g, s0|s2), (g, s1|s3), (g+8, ..)
-        const uint32_t bg = max(mx & 0xffu, (mx >> 8) & 0xffu);
-        const uint32_t b8 = max((mx >> 16) & 0xffu, mx >> 24);
+        // A row's four scale bytes (groups q = 0..3), its base, and the byte differences b - s
+        // (no borrows: b is the largest byte), which index the byte tables.
+        const uint32_t sg = __byte_perm(sc[0], sc[1], 0x5410u);  // row g
+        const uint32_t s8 = __byte_perm(sc[0], sc[1], 0x7632u);  // row g + 8
+        const uint32_t mg = __vmaxu4(sg, sg >> 16), m8 = __vmaxu4(s8, s8 >> 16);
+        const uint32_t bg = max(mg & 0xffu, (mg >> 8) & 0xffu);
+        const uint32_t b8 = max(m8 & 0xffu, (m8 >> 8) & 0xffu);
+        const uint32_t dg = bg * 0x01010101u - sg, d8 = b8 * 0x01010101u - s8;
         uint32_t f[4][4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // k32 group q = 2 kb + s2 of the stage
           const int kb = q >> 1, s2 = q & 1;
-          const uint2 lg = luts[e4m3_lut_index(bg, (sc[kb] >> (8 * s2)) & 0xffu)];
-          const uint2 l8 = luts[e4m3_lut_index(b8, (sc[kb] >> (8 * (2 + s2))) & 0xffu)];
+          const uint2 lg = luts[(dg >> (8 * q)) & 0xffu];
+          const uint2 l8 = luts[(d8 >> (8 * q)) & 0xffu];
 #pragma unroll
           for (int h = 0; h < 2; ++h)  // a0 / a2: row g, a1 / a3: row g + 8
             decode_e4m3_lut(word_of(wq[kb], 2 * s2 + h), lg, l8, f[q][2 * h], f[q][2 * h + 1]);

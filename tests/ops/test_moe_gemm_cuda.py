@@ -161,22 +161,20 @@ def emulate_bf16_weights(pw):
 _E2M1_MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _e4m3_lut_byte(idx, mag):
-    """The kernel's byte table (e4m3_lut_init): e4m3 bits of mags[mag] * 2^(idx - 13), i.e. for
-    e = s - b + 6 = idx - 13, rounded to nearest even by the float8 cast (idx 0, e = -13: every
-    value under half the smallest subnormal)."""
-    v = torch.tensor([_E2M1_MAGS[mag] * 2.0 ** (idx - 13)], dtype=torch.float32)
+def _e4m3_lut_byte(d, mag):
+    """The kernel's byte table (e4m3_lut_init), entry d = b - s: e4m3 bits of mags[mag] *
+    2^(6 - d), rounded to nearest even by the float8 cast (all zero from d = 20)."""
+    v = torch.tensor([_E2M1_MAGS[mag] * 2.0 ** (6 - d)], dtype=torch.float32)
     return int(v.to(FP8).view(torch.uint8))
 
 
 def emulate_e4m3_weights(pw):
     """W [E, n_pad, k_pad] float64 as the W4A8 path consumes it: per row and 128-k stage (two
-    packed blocks) base b = max of its four scale bytes; each nibble -> the e4m3 byte of table
-    idx = 19 - min(b - s, 19) (prmt by its code bits, then its sign bit); W = e4m3 value
-    * 2^(b - 133)."""
+    packed blocks) base b = max of its four scale bytes; each value -> the e4m3 byte of table
+    entry b - s (prmt by its code bits, then its sign bit); W = e4m3 value * 2^(b - 133)."""
     words, sc = _u32_words(pw)
     E, nb, kb = words.shape[:3]
-    lut = torch.tensor([[_e4m3_lut_byte(i, m) for m in range(8)] for i in range(20)])
+    lut = torch.tensor([[_e4m3_lut_byte(d, m) for m in range(8)] for d in range(256)])
     W = torch.full((E, nb * 16, kb * 64), float("nan"), dtype=torch.float64)
     for lane in range(32):
         g, t = divmod(lane, 4)
@@ -188,7 +186,7 @@ def emulate_e4m3_weights(pw):
                                  torch.exp2(base.double() - 133))
             for word in range(4):
                 grp, h = divmod(word, 2)
-                idx = 19 - torch.clamp(base - s_blk[..., grp], max=19)
+                idx = base - s_blk[..., grp]
                 q = words[:, :, :, lane, word]
                 for j in range(4):  # prmt by the code bits, then the sign bit ORed in
                     code = (q >> (4 * (4 * r + j))) & 7
