@@ -339,7 +339,10 @@ def mxfp4_grouped_gemm(
         masked_m: masked layout: int32 ``[E]`` in ``[0, cap]``: expert e owns rows
             ``[0, masked_m[e])`` of ``a[e]``.
         a_scale: float8 activations only: float32 per-token scales ``[M, K/128]`` /
-            ``[E, cap, K/128]``; ``a_real = a * a_scale[row, k // 128]``.
+            ``[E, cap, K/128]``; ``a_real = a * a_scale[row, k // 128]``. With float8
+            activations the weights take part with their scale folded into e4m3 per (row, 128-k
+            block) (exact unless a group's scale is > 14 binades under the block's largest; the
+            rule is in zeroinfer/moe_gemm.h and ``dequantize_expert_w4a8_f64``).
         fuse_swiglu: ``w`` is gate ‖ up along N (N even); output column ``c < N/2`` is
             ``silu(min(g_c, λ)) * clamp(u_c, -λ, λ)`` (``silu(g_c) * u_c`` without a limit).
         swiglu_limit: λ (finite, > 0), only with ``fuse_swiglu``.
