@@ -106,6 +106,19 @@ class Indexer(Compressor):
         """One sequence: x [S, D], q_res [S, d_q], positions [S], keys [n_entries, d_I] (all
         of the sequence's entries so far). Returns entry indices [S, min(topk, n)], -1 where
         a query has fewer visible entries."""
+        scores, visible = self.scores(x, q_res, positions, keys, cos, sin)
+        # ReLU scores are often exactly 0, so ties are real: break them by entry index (a stable
+        # sort) so the choice never depends on how many entries the scored row happens to hold
+        # (chunked prefill, batch composition).
+        n = keys.shape[0]
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(self.topk, n)]
+        return torch.where(top >= visible[:, None], -1, top)
+
+    def scores(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+               keys: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index scores [S, n_entries] float32 with -inf past each query's visible entries,
+        visible entry counts [S]) of `select`."""
         S, n = x.shape[0], keys.shape[0]
         q = apply_rope(self.q_b_proj(q_res).view(S, self.heads, self.width), cos, sin)
         qf, _ = pad_rows(q.float().reshape(S * self.heads, self.width))
@@ -115,12 +128,7 @@ class Indexer(Compressor):
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, n]
         visible = torch.div(positions + 1, self.rate, rounding_mode="floor")
         future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
-        scores = scores.masked_fill(future, float("-inf"))
-        # ReLU scores are often exactly 0, so ties are real: break them by entry index (a stable
-        # sort) so the choice never depends on how many entries the scored row happens to hold
-        # (chunked prefill, batch composition).
-        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(self.topk, n)]
-        return torch.where(top >= visible[:, None], -1, top)
+        return scores.masked_fill(future, float("-inf")), visible
 
 
 class CSACompressor(Compressor):
