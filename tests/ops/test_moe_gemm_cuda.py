@@ -2,10 +2,11 @@
 
 CPU part (always runs): mxfp4_prepack / mxfp4_unpack round trips, and an EMULATION of the
 kernel's per-lane weight decode: it takes the packed bytes, applies the kernel's exact bit
-operations (the same constants as decode_bf16_raw / decode_e4m3_raw / bf16_multipliers), places
-the results by the PTX mma fragment layouts and maps the MMA's k back to the real k through the
-activation fragment the kernel loads. Agreement with the dequantized checkpoint proves the layout,
-the decode and the k permutation agree with each other (only the hardware itself is left).
+operations (the same constants as decode_bf16_raw / bf16_multipliers, and decode_e4m3_lut with
+its byte tables for W4A8), places the results by the PTX mma fragment layouts and maps the MMA's
+k back to the real k through the activation fragment the kernel loads. Agreement with the
+dequantized checkpoint (W4A8: with the folded-scale rule) proves the layout, the decode and the k
+permutation agree with each other (only the hardware itself is left).
 
 GPU part (`gpu` marker): every path against the float64 reference on fresh random inputs, with
 poisoned outputs (owned rows all written, others untouched), every tile shape (which must agree
