@@ -25,7 +25,7 @@ def stage_loops(sass: str):
         name = func.split("\n", 1)[0].strip()
         ins = [(int(m.group(1), 16), m.group(2).strip())
                for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", func)]
-        mma = [i for i, (_, t) in enumerate(ins) if re.search(r"\b[HQ]?G?MMA\b|HMMA|GMMA", t)]
+        mma = [i for i, (_, t) in enumerate(ins) if re.search(r"\b(HMMA|HGMMA|QGMMA)\b", t)]
         if not mma:
             continue
         first = ins[mma[0]][0]

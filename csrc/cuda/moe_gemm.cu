@@ -415,28 +415,33 @@ __device__ __forceinline__ float swiglu(float gt, float up, bool has_limit, floa
 // One C fragment (16 weight rows of packed strip `strip` x tokens tok, tok + 1 of the tile; c0 /
 // c1: row g, c2 / c3: row g + 8) to the output: SwiGLU pairs (gate row g, up row g + 8 of a
 // gate/up-interleaved strip) or plain rows; rows past n_out and tokens past tile_rows dropped.
+// The outputs of one C fragment (16 weight rows of packed strip `strip` x tile-local tokens tok,
+// tok + 1; c0 / c1: row g, c2 / c3: row g + 8): put(token, column, value) for each, as SwiGLU pairs
+// (gate row g, up row g + 8 of a gate/up-interleaved strip) or plain rows. The one place that
+// knows the fragment -> output mapping.
+template <class Put>
+__device__ __forceinline__ void fragment_outputs(const Mxfp4CudaGemmParams& p, int strip, int g,
+                                                 int tok, const float* c, Put&& put) {
+  if (p.fuse_swiglu) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+      put(tok + u, strip * 8 + g, [&] { return swiglu(c[u], c[2 + u], p.has_swiglu_limit,
+                                                      p.swiglu_limit); });
+  } else {
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+      put(tok + (x & 1), strip * 16 + g + (x >> 1) * 8, [&] { return c[x]; });
+  }
+}
+
+// One C fragment to the output; rows past n_out and tokens past tile_rows dropped.
 __device__ __forceinline__ void store_fragment(const Mxfp4CudaGemmParams& p, bool out_bf16,
                                                int n_out, int strip, int g, int tok,
                                                int tile_row0, int tile_rows, const float* c) {
-  if (p.fuse_swiglu) {
-    const int col = strip * 8 + g;  // gate row col (c0, c1), up row n/2 + col (c2, c3)
-    if (col < n_out) {
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        if (tok + u < tile_rows)
-          store_out(p.out, out_bf16, static_cast<int64_t>(tile_row0 + tok + u) * n_out + col,
-                    swiglu(c[u], c[2 + u], p.has_swiglu_limit, p.swiglu_limit));
-      }
-    }
-  } else {
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const int col = strip * 16 + g + (x >> 1) * 8;
-      const int tk = tok + (x & 1);
-      if (col < n_out && tk < tile_rows)
-        store_out(p.out, out_bf16, static_cast<int64_t>(tile_row0 + tk) * n_out + col, c[x]);
-    }
-  }
+  fragment_outputs(p, strip, g, tok, c, [&](int tk, int col, auto value) {
+    if (col < n_out && tk < tile_rows)
+      store_out(p.out, out_bf16, static_cast<int64_t>(tile_row0 + tk) * n_out + col, value());
+  });
 }
 
 // ---- the kernel --------------------------------------------------------------------------------
@@ -626,18 +631,9 @@ __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, 
     const int nj = (tile_rows + 7) / 8;
 #pragma unroll
     for (int j = 0; j < C::bm / 8; ++j) {
-      if (j < nj) {
-        const float* c = acc + 4 * j;
-        const int tok = j * 8 + 2 * t;
-        if (p.fuse_swiglu) {  // gate row g (c0, c1), up row g + 8 (c2, c3) -> column 8 sidx + g
-#pragma unroll
-          for (int u = 0; u < 2; ++u)
-            put(tok + u, sidx * 8 + g, swiglu(c[u], c[2 + u], p.has_swiglu_limit, p.swiglu_limit));
-        } else {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) put(tok + (x & 1), sidx * 16 + g + (x >> 1) * 8, c[x]);
-        }
-      }
+      if (j < nj)  // (tile-local columns: the strip's index within the tile)
+        fragment_outputs(p, sidx, g, j * 8 + 2 * t, acc + 4 * j,
+                         [&](int tok, int col, auto value) { put(tok, col, value()); });
     }
   }
   __syncthreads();
