@@ -147,6 +147,7 @@ struct WgCfg {
   static_assert(kBK == 128, "a stage is two packed 64-k blocks");
   static_assert(bm % 8 == 0 && b_bytes % 1024 == 0 && ws_bytes % 16 == 0, "ring alignment");
   static_assert(bm <= threads, "one float8 scale row per thread");
+  static_assert(strips * 32 == threads, "warp w owns (decodes and loads) strip w");
   // min_blocks CTAs an SM at V4's 256 experts (the schedule grows with E; the launcher asks the
   // occupancy API for the E at hand).
   static_assert(min_blocks * (pipe_bytes + (3 * 256 + 1) * 4 + 1024) <= 228 * 1024,
@@ -237,6 +238,19 @@ __device__ __forceinline__ void e4m3_lut_init(uint8_t* luts) {
     luts[i] = static_cast<uint8_t>(
         __nv_cvt_float_to_fp8(ldexpf(mag, 6 - (i >> 3)), __NV_SATFINITE, __NV_E4M3));
   }
+}
+
+// The largest of a word's four bytes (prmt extracts, no SIMD-byte emulation).
+__device__ __forceinline__ uint32_t max_byte(uint32_t x) {
+  return max(max(x & 0xffu, __byte_perm(x, 0u, 0x4441u)),
+             max(__byte_perm(x, 0u, 0x4442u), x >> 24));
+}
+
+// 2^(b - 133) for a UE8M0 byte b, exactly (a float32 subnormal below b = 7), NaN for b = 255;
+// branch-free (the W4A8 promotion factor 2^(b-127) * 2^-6).
+__device__ __forceinline__ float exp2_b_minus_133(uint32_t b) {
+  const uint32_t bits = b >= 7u ? (b - 6u) << 23 : 1u << (b + 16u);
+  return b == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(bits);
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
@@ -709,15 +723,20 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // zero-filled, since it would feed every column) and, for e4m3, the tokens' a_scale column.
     const uint8_t* b_src0 =
         b_act + (static_cast<int64_t>(tile_row0) + brow) * k * kEsize + bc * 16;
+    // Warp w copies its own strip's stage (68 16-byte chunks, lanes + 32 u): addresses are one
+    // add per chunk, and a strip past the weights is skipped as a whole.
+    const uint8_t* w_src = wtile + static_cast<int64_t>(sidx) * kb_total * kBlk + lane * 16;
+    const uint32_t w_dst = static_cast<uint32_t>(C::b_ring + sidx * kStripStage + lane * 16);
     auto load_stage = [&](int slot_idx, int kt) {
-      uint8_t* ws = smem + C::b_ring + slot_idx * C::ws_bytes;
-      const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
-      for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
-        const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
-        if (i < strips_valid)
-          cp_async16(smem_u32(ws + i * kStripStage + off),
-                     wk + static_cast<int64_t>(i) * kb_total * kBlk + off, true);
+      if (strip_active) {
+        const uint8_t* src = w_src + static_cast<int64_t>(kt) * kStripStage;
+        const uint32_t dst = smem_u32(smem) + w_dst + slot_idx * C::ws_bytes;
+#pragma unroll
+        for (int u = 0; u < (kStripChunks + 31) / 32; ++u) {
+          if (lane + 32 * u < kStripChunks) cp_async16(dst + 512 * u, src + 512 * u, true);
+        }
       }
+      uint8_t* ws = smem + C::b_ring + slot_idx * C::ws_bytes;
       const bool kvalid = kt * kBK + bc * (16 / kEsize) < k;
       const uint32_t bdst = smem_u32(smem + slot_idx * C::b_bytes) + b_dst0;
       const uint8_t* bsrc = b_src0 + kt * C::b_row_bytes;
@@ -814,9 +833,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         // (no borrows: b is the largest byte), which index the byte tables.
         const uint32_t sg = __byte_perm(sc[0], sc[1], 0x5410u);  // row g
         const uint32_t s8 = __byte_perm(sc[0], sc[1], 0x7632u);  // row g + 8
-        const uint32_t mg = __vmaxu4(sg, sg >> 16), m8 = __vmaxu4(s8, s8 >> 16);
-        const uint32_t bg = max(mg & 0xffu, (mg >> 8) & 0xffu);
-        const uint32_t b8 = max(m8 & 0xffu, (m8 >> 8) & 0xffu);
+        const uint32_t bg = max_byte(sg), b8 = max_byte(s8);
         const uint32_t dg = bg * 0x01010101u - sg, d8 = b8 * 0x01010101u - s8;
         uint32_t f[4][4];
 #pragma unroll
@@ -841,9 +858,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         wgmma::commit();
         wgmma::wait<0>();
         wgmma::fence_operands(part);
-        // 2^(b - 133) exactly (a power of two >= 2^-133), NaN for b = 255.
-        const float fg = ue8m0_to_float(static_cast<uint8_t>(bg)) * 0.015625f;
-        const float f8 = ue8m0_to_float(static_cast<uint8_t>(b8)) * 0.015625f;
+        const float fg = exp2_b_minus_133(bg), f8 = exp2_b_minus_133(b8);
 #pragma unroll
         for (int j = 0; j < C::bm / 8; ++j) {  // this thread's tokens 8 j + 2 t (+1)
           const float2 as = *reinterpret_cast<const float2*>(sst + j * 8 + 2 * t);
