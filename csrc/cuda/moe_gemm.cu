@@ -713,6 +713,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       (bc >> 3) * (C::bm * 128) + brow * 128 + (((bc & 7) ^ (brow & 7)) << 4);
   // bf16 reads the k-slot copy of the activations, e4m3 the activations themselves.
   const uint8_t* b_act = static_cast<const uint8_t*>(C::fp8 ? p.a : p.a_kslot);
+  const int64_t b_row_step = static_cast<int64_t>(kBRowStep) * k * kEsize;  // a thread's rows
 
 #pragma unroll 1
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
@@ -737,15 +738,15 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         }
       }
       uint8_t* ws = smem + C::b_ring + slot_idx * C::ws_bytes;
+      // (k past the end: zero-filled from a valid dummy address, the same for every row.)
       const bool kvalid = kt * kBK + bc * (16 / kEsize) < k;
       const uint32_t bdst = smem_u32(smem + slot_idx * C::b_bytes) + b_dst0;
-      const uint8_t* bsrc = b_src0 + kt * C::b_row_bytes;
+      const uint8_t* bsrc = kvalid ? b_src0 + kt * C::b_row_bytes : b_act;
+      const int64_t bstep = kvalid ? b_row_step : 0;
 #pragma unroll
       for (int u = 0; u < kBUnits; ++u) {
         if (brow + u * kBRowStep < tile_rows)
-          cp_async16(bdst + u * kBRowStep * 128,
-                     kvalid ? bsrc + static_cast<int64_t>(u) * kBRowStep * k * kEsize : b_act,
-                     kvalid);
+          cp_async16(bdst + u * kBRowStep * 128, bsrc + u * bstep, kvalid);
       }
       if constexpr (C::fp8) {  // k % 128 == 0 for e4m3: every stage is whole
         if (tid < tile_rows)
