@@ -40,7 +40,7 @@ for name, (n, k, fuse) in {"gate_up": (2 * INTER, HIDDEN, True), "down": (HIDDEN
                                              expert_offsets=offsets, fuse_swiglu=fuse,
                                              swiglu_limit=LIMIT if fuse else None)
             res = {}
-            tiles = (3, 1, 4) if fp8 else (1, 2, 4)  # float8's tile 2 is tile 4
+            tiles = (3, 1, 2, 4) if fp8 else (1, 2, 4)  # float8's tile 2: WgFp8WideCfg (experiment)
             for tile in tiles:
                 mg._FORCE_TILE = tile
                 out = run().float()
