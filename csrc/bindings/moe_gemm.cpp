@@ -107,11 +107,15 @@ void register_moe_gemm(py::module_& m) {
       [](bool fp8, bool masked, int64_t m_rows, int64_t num_experts, int64_t cap, int requested) {
         const Mxfp4CudaPlan plan = mxfp4_cuda_plan(fp8, masked, m_rows, num_experts, cap,
                                                    requested);
-        return py::make_tuple(plan.tile, plan.big_tile, plan.split_rows);
+        py::list launches;
+        for (int i = 0; i < plan.launches; ++i)
+          launches.append(py::make_tuple(plan.tile[i], plan.from_rows[i]));
+        return py::tuple(launches);
       },
       "How the CUDA MXFP4 kernel covers the experts, from the shapes (requested 0) or a forced "
-      "tile: (tile, big_tile, split_rows); with split_rows > 0 experts holding that many rows or "
-      "more run big_tile. Tile 4 reads the activations in the packed weights' k-slot order.",
+      "tile: a tuple of launches (tile, from_rows), from_rows ascending from 0; a launch runs "
+      "the experts holding from_rows up to the next launch's from_rows rows. Tile 4 reads bf16 "
+      "activations in the packed weights' k-slot order.",
       py::arg("fp8"), py::arg("masked"), py::arg("m"), py::arg("num_experts"), py::arg("cap"),
       py::arg("requested"));
   m.attr("MXFP4_BLOCK_BYTES") = kMxfp4BlockBytes;

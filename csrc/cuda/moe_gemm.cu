@@ -27,14 +27,15 @@
 //
 // Tiles: a CTA computes BN weight rows x BM tokens of one expert over the whole K (no split-K, so
 // no cross-CTA reduction), with a cp.async pipeline of BK = 128 stages (weights, tokens and the
-// float8 scales of that k block). mxfp4_cuda_plan picks one shape from the shapes, or two, split
-// between the experts on the device by their row counts (skewed routing):
-//   tiny:  64 rows x 8 tokens (decode, < 4 rows per expert on average; ~75 registers and a small
-//          activation stage, so 6 CTAs / 24 warps per SM)
+// float8 scales of that k block). mxfp4_cuda_plan picks the shapes from the shapes: one, or up to
+// four tiers split between the experts on the device by their row counts (skewed routing):
+//   tiny:  64 rows x 8 tokens (decode, <= 8 rows; ~75 registers and a small activation stage, so
+//          6 CTAs / 24 warps per SM)
 //   small: 64 rows x 32 tokens (decode; bf16 skips the n8 steps past the expert's rows, so 1..8
 //          tokens cost one mma per weight fragment)
 //   large: bf16 only, 8 warps as 4 (N) x 2 (M), warp tile 64 x 64 = 256 x 128 (mma.sync)
 //   wgmma: 2 warpgroups x 64 rows x 128 (bf16) / 64 (float8) tokens (prefill; see WgCfg)
+//   wide:  float8 only, 2 warpgroups x 64 rows x 128 tokens at one CTA an SM (large experts)
 // bf16 runs tiny / small / large on mma.sync m16n8k16 (Cfg) and the prefill tile on wgmma, whose
 // k16 reduction gives bitwise the results of the mma.sync tiles (tested); float8 runs every
 // shape on wgmma (WgCfg: 1 warpgroup for tiny and small).
@@ -158,14 +159,15 @@ struct WgCfg {
 };
 // bf16 prefill: two CTAs an SM (<= 128 registers), each covering the other's barriers.
 using WgBf16Cfg = WgCfg<false, 2, 128, 2, 1, 2>;
-// float8: prefill (tile 4; also what tile 2 runs), decode (small, tile 1) and tiny (tile 3).
+// float8: prefill (tile 4), wide prefill (tile 2), decode (small, tile 1) and tiny (tile 3).
 // Measured alternatives for the prefill tile (bench/results/h200/moe_gemm_NOTES.md, session 5):
 // two groups in flight at one CTA an SM (222 registers) -20%; one warpgroup x 4 CTAs -7%.
 using WgFp8Cfg = WgCfg<true, 2, 64, 4, 3, 2>;
 using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
 using WgFp8TinyCfg = WgCfg<true, 1, 8, 5, 4, 6>;
-// EXPERIMENT (forced as float8 tile 2; not planned): 128-token float8 tiles, one CTA an SM
-// (accumulator + partial = 128 registers a thread), each decoded weight feeding twice the tokens.
+// Wide (tile 2, experts of >= 512 rows): 128-token tiles, one CTA an SM (accumulator + partial =
+// 128 registers a thread), each decoded weight feeding twice the tokens: +6-10% over tile 4 with
+// full tiles, -5% with 3/4-full ones (session 6 of moe_gemm_NOTES.md).
 using WgFp8WideCfg = WgCfg<true, 2, 128, 5, 4, 1>;
 
 // ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
@@ -973,7 +975,6 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
                (p.a_dtype == DType::kBFloat16 && mxfp4_plan_uses(plan, 4)),
            "a_kslot (the activations in k-slot order) goes with the bf16 wgmma tile, and only "
            "with it");
-  ZI_CHECK(plan.split_rows < INT32_MAX, "split_rows out of range");
   auto s = static_cast<cudaStream_t>(stream);
   auto run = [&](int tile, int32_t rows_lo, int32_t rows_hi) {
     Mxfp4CudaGemmParams q = p;
@@ -999,12 +1000,10 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
         launch<SmallCfg>(q, s);
     }
   };
-  if (plan.split_rows > 0) {
-    const auto split = static_cast<int32_t>(plan.split_rows);
-    run(plan.tile, 0, split);
-    run(plan.big_tile, split, INT32_MAX);
-  } else {
-    run(plan.tile, 0, INT32_MAX);
+  for (int i = 0; i < plan.launches; ++i) {
+    const int64_t hi = i + 1 < plan.launches ? plan.from_rows[i + 1] : INT32_MAX;
+    run(plan.tile[i], static_cast<int32_t>(std::min<int64_t>(plan.from_rows[i], INT32_MAX)),
+        static_cast<int32_t>(std::min<int64_t>(hi, INT32_MAX)));
   }
 }
 

@@ -263,30 +263,39 @@ def test_kslot_order_matches_the_fragment_k_map(gen, shape):
 
 def test_cuda_plan():
     """How the kernel covers the experts (one rule, in C++, used by the op layer and the
-    launcher): (tile, big_tile, split_rows). Tiny decode tile below 4 rows per expert (masked:
-    cap <= 8), then the small tile; the wgmma tile from 48 (bf16) / 32 (float8) rows per expert
-    (masked: cap), and below that, in the contiguous layout from 256 rows in all, the experts
-    holding that many rows take the wgmma tile (skewed routing); a requested tile runs all."""
+    launcher): a tuple of launches (tile, from_rows). The base tile from the average rows per
+    expert (tiny below 4; masked: the capacity alone), then one launch per higher tier that some
+    expert can reach and whose work pays for a launch: small (1) from 9 rows (64 rows in all),
+    wgmma (4) from 48 bf16 / 32 float8 rows (256 in all), float8 wide (2) from 512 (1024 in
+    all); a requested tile runs all."""
     def plan(fp8=False, masked=False, m=0, cap=0, requested=0, E=256):
-        return tuple(_C.mxfp4_cuda_plan(fp8=fp8, masked=masked, m=m, num_experts=E, cap=cap,
-                                        requested=requested))
-    assert plan(m=6) == (3, 0, 0)                   # 1 token of top-6
-    assert plan(m=255) == (3, 0, 0)                 # too few rows to split
-    assert plan(m=256) == (3, 4, 48)                # tiny + wgmma for skewed experts
-    assert plan(m=4 * 256) == (1, 4, 48)            # small + wgmma
-    assert plan(m=47 * 256) == (1, 4, 48)
-    assert plan(m=48 * 256) == (4, 0, 0)            # every expert on the wgmma tile
-    assert plan(fp8=True, m=255) == (3, 0, 0)
-    assert plan(fp8=True, m=4096) == (1, 4, 32)     # float8: the same rule, from 32 rows
-    assert plan(fp8=True, m=31 * 256) == (1, 4, 32)
-    assert plan(fp8=True, m=32 * 256) == (4, 0, 0)
-    assert plan(masked=True, cap=8, E=8) == (3, 0, 0)
-    assert plan(masked=True, cap=47, E=8) == (1, 0, 0)
-    assert plan(masked=True, cap=48, E=8) == (4, 0, 0)
-    assert plan(fp8=True, masked=True, cap=9, E=8) == (1, 0, 0)
-    assert plan(fp8=True, masked=True, cap=32, E=8) == (4, 0, 0)
-    assert plan(m=10, requested=2) == (2, 0, 0)
-    assert plan(m=100000, requested=1) == (1, 0, 0)
+        return tuple(tuple(t) for t in _C.mxfp4_cuda_plan(
+            fp8=fp8, masked=masked, m=m, num_experts=E, cap=cap, requested=requested))
+    assert plan(m=6) == ((3, 0),)                               # 1 token of top-6
+    assert plan(m=63) == ((3, 0),)                              # too few rows to split
+    assert plan(m=64) == ((3, 0), (1, 9))                       # skewed decode: small tiles
+    assert plan(m=255) == ((3, 0), (1, 9))
+    assert plan(m=256) == ((3, 0), (1, 9), (4, 48))             # + wgmma for skewed experts
+    assert plan(m=4 * 256) == ((1, 0), (4, 48))                 # small + wgmma
+    assert plan(m=47 * 256) == ((1, 0), (4, 48))
+    assert plan(m=48 * 256) == ((4, 0),)                        # every expert on wgmma
+    assert plan(m=10**6) == ((4, 0),)                           # bf16 has no wide tier
+    assert plan(fp8=True, m=255) == ((3, 0), (1, 9))
+    assert plan(fp8=True, m=1000) == ((3, 0), (1, 9), (4, 32))
+    assert plan(fp8=True, m=4096) == ((1, 0), (4, 32), (2, 512))  # float8: from 32 rows
+    assert plan(fp8=True, m=31 * 256) == ((1, 0), (4, 32), (2, 512))
+    assert plan(fp8=True, m=32 * 256) == ((4, 0), (2, 512))
+    assert plan(fp8=True, m=512 * 256) == ((2, 0),)
+    assert plan(fp8=True, m=3000, E=1000) == ((3, 0), (1, 9), (4, 32), (2, 512))
+    assert plan(masked=True, cap=8, E=8) == ((3, 0),)
+    assert plan(masked=True, cap=47, E=8) == ((1, 0),)
+    assert plan(masked=True, cap=48, E=8) == ((4, 0),)
+    assert plan(masked=True, cap=5000, E=8) == ((4, 0),)
+    assert plan(fp8=True, masked=True, cap=9, E=8) == ((1, 0),)
+    assert plan(fp8=True, masked=True, cap=32, E=8) == ((4, 0),)
+    assert plan(fp8=True, masked=True, cap=512, E=8) == ((2, 0),)
+    assert plan(m=10, requested=2) == ((2, 0),)
+    assert plan(m=100000, requested=1) == ((1, 0),)
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -533,14 +542,42 @@ def test_cuda_split_plan(gen, tile, masked, dtype):
     c = make_case(gen, E=E, N=128, K=384, dtype=dtype, masked=masked, counts=counts,
                   cap=max(counts) + 2, mode="swiglu_limit")
     m = sum(counts) if not masked else 0
-    plan = tuple(_C.mxfp4_cuda_plan(dtype == FP8, masked, m, E, max(counts) + 2, 0))
-    assert plan == ((4, 0, 0) if masked else (1, 4, thr)), plan
+    plan = tuple(tuple(t) for t in _C.mxfp4_cuda_plan(dtype == FP8, masked, m, E,
+                                                      max(counts) + 2, 0))
+    assert plan == (((4, 0),) if masked else ((1, 0), (4, thr))), plan
     tile(0)
     got = run_cuda(c, out_dtype=torch.float32)
     check_vs_ref(got, c, torch.float32, "split plan")
     tile(1)
     one = run_cuda(c, out_dtype=torch.float32, check=False)
     assert torch.equal(got.view(torch.int32), one.view(torch.int32)), "split plan vs tile 1"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
+def test_cuda_every_tier(gen, tile, dtype):
+    """A routing that reaches every tier of the plan at once (tiny, small, wgmma and, for float8,
+    wide: four launches over 600 experts, each computing only its own experts and skipping the
+    others on the device), with tier boundaries hit exactly (8 / 9, 31 / 32 or 47 / 48, 511 /
+    512 rows): right against the reference, and bitwise what one tile gives."""
+    E = 600
+    thr = 48 if dtype == torch.bfloat16 else 32
+    counts = [0] * E
+    for e, n in zip((0, 3, 50, 51, 100, 101, 200, 201, 300, 599, 7),
+                    (1, 8, 9, 20, thr - 1, thr, 100, 511, 512, 700, 3)):
+        counts[e] = n
+    c = make_case(gen, E=E, N=64, K=256, dtype=dtype, masked=False, counts=counts, pad_max=1,
+                  mode="swiglu_limit")
+    m = sum(counts)
+    plan = tuple(tuple(t) for t in _C.mxfp4_cuda_plan(dtype == FP8, False, m, E, 0, 0))
+    want = ((3, 0), (1, 9), (4, thr)) + (((2, 512),) if dtype == FP8 else ())
+    assert plan == want, plan
+    tile(0)
+    got = run_cuda(c, out_dtype=torch.float32)
+    check_vs_ref(got, c, torch.float32, "every tier")
+    tile(4)
+    one = run_cuda(c, out_dtype=torch.float32, check=False)
+    assert torch.equal(got.view(torch.int32), one.view(torch.int32)), "tiers vs tile 4"
 
 
 @pytest.mark.gpu

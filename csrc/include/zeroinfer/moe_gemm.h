@@ -16,6 +16,7 @@
 // reference follow the same rule).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "zeroinfer/common.h"
@@ -112,7 +113,7 @@ struct Mxfp4CudaGemmParams {
   bool has_swiglu_limit = false;
   float swiglu_limit = 0.f;
   // 0: the plan from the shapes (mxfp4_cuda_plan); 1: small-M tile (64 weight rows x 32 tokens,
-  // decode); 2: large-M tile (bf16: 256 x 128 on mma.sync; float8: the same as 4); 3: tiny-M
+  // decode); 2: large-M tile (bf16: 256 x 128 on mma.sync; float8: 128 x 128 wgmma); 3: tiny-M
   // tile (64 x 8, decode with <= 8 rows per expert: 6 CTAs per SM); 4: wgmma tile (prefill:
   // 128 x 128 for bf16, 128 x 64 for float8). Float8 runs on wgmma at every tile (Hopper's
   // float8 mma.sync rounds differently). A tile other than 0 runs every expert. Every tile gives
@@ -130,38 +131,76 @@ struct Mxfp4CudaGemmParams {
 };
 
 // How the CUDA kernel covers the experts, from the shapes only (never from device values, so no
-// host synchronisation): `tile` for every expert, or, with split_rows > 0, `tile` for the experts
-// that turn out (on the device) to hold fewer than split_rows rows and `big_tile` for the others
-// (two launches; each skips the other's experts). Which tile where, measured on the H200
+// host synchronisation): up to kMaxLaunches launches, launch i running tile[i] on the experts that
+// turn out (on the device) to hold from_rows[i] <= rows < from_rows[i + 1] rows (the last one: no
+// upper bound); each launch skips the others' experts. A tier is added only where some expert can
+// reach it (m rows in all) and the work is large enough to pay for an extra launch, which costs
+// ~2-3 us when it finds nothing to do. Which tile where, measured on the H200
 // (bench/results/h200/moe_gemm_NOTES.md):
-//   tiny (3)   while an active expert holds <= 8 rows on average (contiguous: m / E < 4, i.e.
-//              <= ~170 tokens of V4-Flash top-6 / 256; masked: cap <= 8), small (1) otherwise;
-//   the wgmma prefill tile (4) from 48 (bf16) / 32 (float8, 64-token tiles) rows per expert on
-//              average (masked: cap); bf16 is 1.3x the small tile at 48 even with its 128-token
-//              tiles 3/8 full. Below that, in the contiguous layout from 256 rows in all, the
-//              experts that hold that many rows or more (skewed routing) take the wgmma tile and
-//              the rest the tiny / small tile. (Below 256 rows the second launch, and for bf16
-//              the k-slot copy of the activations, would cost more than they can save.)
+//   tiny (3)   for experts with <= 8 rows: 8-token tiles, 6 CTAs an SM;
+//   small (1)  for 9 .. 47 (bf16) / 31 (float8) rows: 32-token tiles, so an expert of 32 rows
+//              streams its weights once instead of four times through tiny tiles (skewed
+//              decode: 32 tokens on 6 experts 81 -> see the notes);
+//   wgmma (4)  from 48 (bf16) / 32 (float8, 64-token tiles) rows; bf16 is 1.3x the small tile at
+//              48 even with its 128-token tiles 3/8 full;
+//   wide (2)   float8 only, from 512 rows: 128-token tiles at one CTA an SM, +6-10% over tile 4
+//              with full tiles (skewed 512 .. 8192 tokens), -5% at 192 rows (tiles 3/4 full).
+// The base tile follows the average rows per active expert (contiguous: m / E, i.e. tiny below
+// 4; masked: the capacity decides alone, one launch). The tiers above it: small from 64 rows in
+// all, wgmma from 256 (bf16 also pays a k-slot copy of the activations there), wide from 1024.
 struct Mxfp4CudaPlan {
-  int tile = 1;
-  int big_tile = 0;
-  int64_t split_rows = 0;
+  static constexpr int kMaxLaunches = 4;
+  int launches = 1;
+  int tile[kMaxLaunches] = {1, 0, 0, 0};
+  int64_t from_rows[kMaxLaunches] = {0, 0, 0, 0};
 };
 
 inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t num_experts,
                                      int64_t cap, int requested) {
-  if (requested != 0) return {requested, 0, 0};
-  const int64_t rows_per_expert = masked ? cap : m / (num_experts > 0 ? num_experts : 1);
-  const int small = (masked ? cap <= 8 : rows_per_expert < 4) ? 3 : 1;
+  Mxfp4CudaPlan plan;
+  if (requested != 0) {
+    plan.tile[0] = requested;
+    return plan;
+  }
+  constexpr int64_t kSmallRows = 9;  // the tiny tile holds 8 tokens
+  constexpr int64_t kWideRows = 512;
   const int64_t wgmma_rows = fp8 ? 32 : 48;
-  constexpr int64_t kSplitMinRows = 256;
-  if (rows_per_expert >= wgmma_rows) return {4, 0, 0};
-  if (masked || m < kSplitMinRows) return {small, 0, 0};
-  return {small, 4, wgmma_rows};
+  // Tiers by the rows an expert holds: (first row count, tile, fewest rows in all for the tier
+  // to be worth its own launch).
+  struct Tier {
+    int64_t from;
+    int tile;
+    int64_t min_m;
+  };
+  const Tier tiers[4] = {{0, 3, 0}, {kSmallRows, 1, 64}, {wgmma_rows, 4, 256},
+                         {fp8 ? kWideRows : INT64_MAX, 2, 1024}};
+  auto tier_of = [&](int64_t rows) {
+    int i = 0;
+    while (i + 1 < 4 && rows >= tiers[i + 1].from) ++i;
+    return i;
+  };
+  if (masked) {  // every expert is cap rows wide: one tile
+    plan.tile[0] = tiers[tier_of(cap)].tile;
+    return plan;
+  }
+  // The base tile from the average over all E experts (tiny below 4: at 4 most active experts
+  // hold <= 8 rows), then a launch for each higher tier some expert can reach.
+  const int64_t avg = m / (num_experts > 0 ? num_experts : 1);
+  const int base = avg < 4 ? 0 : std::max(1, tier_of(avg));
+  plan.tile[0] = tiers[base].tile;
+  for (int i = base + 1; i < 4; ++i) {
+    if (m < tiers[i].from || m < tiers[i].min_m) continue;
+    plan.tile[plan.launches] = tiers[i].tile;
+    plan.from_rows[plan.launches] = tiers[i].from;
+    ++plan.launches;
+  }
+  return plan;
 }
 
 inline bool mxfp4_plan_uses(const Mxfp4CudaPlan& plan, int tile) {
-  return plan.tile == tile || (plan.split_rows > 0 && plan.big_tile == tile);
+  for (int i = 0; i < plan.launches; ++i)
+    if (plan.tile[i] == tile) return true;
+  return false;
 }
 
 // Largest num_experts the CUDA kernel takes (its per-CTA schedule lives in shared memory).

@@ -31,7 +31,7 @@ def _name(d: torch.dtype) -> str:
 
 _INT32_LIMIT = 2**31
 # Tile shape of the CUDA kernel: 0 = planned from the shapes (_C.mxfp4_cuda_plan), 1 = small-M,
-# 2 = large-M (bf16 mma.sync; float8: as 4), 3 = tiny-M (decode, <= 8 rows per expert per tile),
+# 2 = large-M (bf16 mma.sync; float8: the wide 128-token wgmma tile), 3 = tiny-M (decode, <= 8 rows per expert per tile),
 # 4 = wgmma (prefill). Tests set it to run every shape on the same inputs (every shape gives
 # bitwise the same result).
 _FORCE_TILE = 0
@@ -285,11 +285,11 @@ def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
 def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_rows, cap, k,
                  fuse, limit) -> None:
     dev = a.device
-    tile, big_tile, split_rows = _C.mxfp4_cuda_plan(a.dtype == _FP8, masked_m is not None,
-                                                    m_rows, num_experts, cap, _FORCE_TILE)
+    launches = _C.mxfp4_cuda_plan(a.dtype == _FP8, masked_m is not None, m_rows, num_experts,
+                                  cap, _FORCE_TILE)
     # The bf16 wgmma tile reads its own copy of the activations in k-slot order (contiguous,
     # so 16-byte aligned rows); the e4m3 one reads `a` as it is.
-    wgmma = 4 in (tile, big_tile if split_rows else 0)
+    wgmma = any(tile == 4 for tile, _ in launches)
     a_kslot = _kslot_order(a) if wgmma and a.dtype == torch.bfloat16 else None
     if a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
         a = a.clone()
