@@ -43,7 +43,7 @@ _TILE_NAMES = {1: "small", 2: "large", 3: "tiny", 4: "wgmma"}
 
 def _plan_name(fp8, m):
     launches = _C.mxfp4_cuda_plan(fp8, False, m, EXPERTS, 0, 0)
-    names = dict(_TILE_NAMES, **({2: "wide"} if fp8 else {}))
+    names = {**_TILE_NAMES, **({2: "wide"} if fp8 else {})}
     return "|".join(names[t] + (f">={lo}" if lo else "") for t, lo in launches)
 
 

@@ -89,7 +89,6 @@ struct Cfg {
   static constexpr int stage_bytes = w_bytes + a_bytes;
   static constexpr int pipe_bytes = kStages * stage_bytes;  // the schedule arrays follow
   static constexpr int chunks_per_row = kBK * 2 / 16;
-  static constexpr int w_chunks = (strips * kStripChunks + threads - 1) / threads;
   static_assert(stage_bytes % 16 == 0, "stage must keep 16-byte alignment");
   // A warp's strips never straddle the end of the packed rows (kMxfp4PackRows / 16 = 8 strips).
   static_assert((kMxfp4PackRows / 16) % kWN == 0, "warp strips must divide the row padding");
@@ -205,15 +204,16 @@ __device__ __forceinline__ void decode_bf16_raw(uint32_t q, uint32_t (&a)[4]) {
 // One word's scaled A fragment for a k16 step of 32-group s: decode_bf16_raw, then rows g (a0,
 // a2) times m1[s] and rows g + 8 (a1, a3) times m1[2 + s], and the second factors when wide
 // (bf16_multipliers below). Exact: every factor is a power of two.
+template <bool kWide>
 __device__ __forceinline__ void decode_bf16_scaled(uint32_t q, const uint32_t (&m1)[4],
-                                                   const uint32_t (&m2)[4], int s, bool wide,
+                                                   const uint32_t (&m2)[4], int s,
                                                    uint32_t (&a)[4]) {
   decode_bf16_raw(q, a);
   a[0] = bf16x2_mul(a[0], m1[s]);
   a[1] = bf16x2_mul(a[1], m1[2 + s]);
   a[2] = bf16x2_mul(a[2], m1[s]);
   a[3] = bf16x2_mul(a[3], m1[2 + s]);
-  if (wide) {
+  if constexpr (kWide) {
     a[0] = bf16x2_mul(a[0], m2[s]);
     a[1] = bf16x2_mul(a[1], m2[2 + s]);
     a[2] = bf16x2_mul(a[2], m2[s]);
@@ -265,12 +265,13 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
 // bf16x2 multipliers for the 4 scale bytes of a lane's block (byte 0: (g, s0), 1: (g, s1),
 // 2: (g+8, s0), 3: (g+8, s1)). Narrow (every byte <= 128): m1 = 2^(s-1) (the 2^126 decode bias
 // folded in). Wide: m1 = 2^(min(s,128)-1), m2 = 2^(max(s,128)-128), NaN for byte 255.
-__device__ __forceinline__ void bf16_multipliers(uint32_t sc, bool wide, uint32_t (&m1)[4],
+template <bool kWide>
+__device__ __forceinline__ void bf16_multipliers(uint32_t sc, uint32_t (&m1)[4],
                                                  uint32_t (&m2)[4]) {
-  const uint32_t lo = (wide ? __vminu4(sc, 0x80808080u) : sc) + 0x7E7E7E7Eu;  // s + 126
+  const uint32_t lo = (kWide ? __vminu4(sc, 0x80808080u) : sc) + 0x7E7E7E7Eu;  // s + 126
 #pragma unroll
   for (int i = 0; i < 4; ++i) m1[i] = __byte_perm(lo, 0u, 0x4040u | (i * 0x0101u)) << 7;
-  if (wide) {
+  if constexpr (kWide) {
     const uint32_t hi = __vmaxu4(sc, 0x80808080u) - 0x01010101u;  // max(s,128) - 1
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -284,9 +285,9 @@ __device__ __forceinline__ void bf16_multipliers(uint32_t sc, bool wide, uint32_
 // acc[i][j]: strip i (16 weight rows) x token step j (8 tokens), C-fragment order
 // (c0: row g, token 2t; c1: row g, token 2t+1; c2: row g+8, token 2t; c3: row g+8, token 2t+1).
 // kNJ > 0: exactly kNJ token steps are live (compile time); kNJ == 0: `nj` of them (run time).
-template <class C, int kNJ>
+template <class C, bool kWide, int kNJ>
 __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, int lane, int warp_n,
-                                              int warp_m, int nj_dyn, bool wide,
+                                              int warp_m, int nj_dyn,
                                               float (&acc)[C::wn][C::wt][4]) {
   const int nj = kNJ > 0 ? kNJ : nj_dyn;
   const int g = lane >> 2, t = lane & 3;
@@ -300,7 +301,7 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, in
     for (int i = 0; i < C::wn; ++i) {
       const uint8_t* blk = wst + i * kStripStage + kb * kBlk;
       wq[i] = *reinterpret_cast<const uint4*>(blk + lane * 16);
-      bf16_multipliers(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), wide, m1[i], m2[i]);
+      bf16_multipliers<kWide>(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), m1[i], m2[i]);
     }
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
@@ -319,7 +320,7 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, in
 #pragma unroll
         for (int i = 0; i < C::wn; ++i) {
           uint32_t a[4];
-          decode_bf16_scaled(word_of(wq[i], 2 * s + h), m1[i], m2[i], s, wide, a);
+          decode_bf16_scaled<kWide>(word_of(wq[i], 2 * s + h), m1[i], m2[i], s, a);
 #pragma unroll
           for (int j = 0; j < C::wt; ++j) {
             if (j < nj) mma_bf16(acc[i][j], a, b[j][0], b[j][1]);
@@ -464,7 +465,9 @@ __device__ __forceinline__ void store_fragment(const Mxfp4CudaGemmParams& p, boo
 }
 
 // ---- the kernel --------------------------------------------------------------------------------
-template <class C>
+// kWide: some scale byte exceeds 128 (Mxfp4CudaGemmParams::wide_scales), so the bf16 decode
+// multiplies twice; a template parameter so the narrow decode is straight-line code.
+template <class C, bool kWide>
 __global__ void __launch_bounds__(C::threads, C::min_blocks)
     mxfp4_moe_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -478,7 +481,6 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   const int kt_total = static_cast<int>(p.k_pad / kBK);
   const int64_t kb_total = sch.kb_total;
   const bool out_bf16 = p.out_dtype == DType::kBFloat16;
-  const bool wide = p.wide_scales;
   constexpr int kEsize = 2;  // bf16
   const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
 
@@ -492,22 +494,14 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const uint8_t* atile =
         static_cast<const uint8_t*>(p.a) + static_cast<int64_t>(tile_row0) * k * kEsize;
 
-    // Decode tile: this thread's 16-byte weight chunks of a stage are computed once per item
-    // (source offset from wtile at stage 0, destination offset in the stage, ~0u: none); a stage
-    // adds kt * kStripStage to the source. The prefill tile (register-bound) recomputes them.
-    constexpr bool kPre = C::w_chunks <= 3;
-    constexpr int kPreN = kPre ? C::w_chunks : 1;
-    uint32_t w_src[kPreN], w_dst[kPreN];
-    if constexpr (kPre) {
-#pragma unroll
-      for (int u = 0; u < kPreN; ++u) {
-        const int c = tid + u * C::threads;
-        const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
-        const bool ok = c < C::strips * kStripChunks && i < strips_valid;
-        w_src[u] = ok ? static_cast<uint32_t>(i * kb_total * kBlk + off) : 0u;
-        w_dst[u] = ok ? static_cast<uint32_t>(i * kStripStage + off) : ~0u;
-      }
-    }
+    // Decode tiles (one warp a strip): warp w copies its own strip's stage, chunks lane + 32 u
+    // of the strip's contiguous kStripStage bytes, so a chunk's addresses are one add from the
+    // stage's; a strip past the weight rows is skipped as a whole. The prefill tile (register-
+    // bound, 16 strips over 8 warps) walks the tile's chunks.
+    constexpr bool kPre = C::strips * 32 == C::threads;
+    const bool strip_loaded = warp < strips_valid;
+    const uint8_t* w_src = wtile + static_cast<int64_t>(warp) * kb_total * kBlk + lane * 16;
+    const uint32_t w_dst = static_cast<uint32_t>(warp * kStripStage + lane * 16);
 
     // Activation chunks: thread tid copies 16-byte chunk a_cc of rows a_r0 + u * kRowStep; the
     // row / column split is computed once per item (the small and tiny tiles; the register-bound
@@ -522,14 +516,17 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 
     auto load_stage = [&](int slot_idx, int kt) {
       uint8_t* st = smem + slot_idx * C::stage_bytes;
-      const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
       if constexpr (kPre) {
-        const uint32_t st_u32 = smem_u32(st);
+        if (strip_loaded) {
+          const uint32_t dst = smem_u32(st) + w_dst;
+          const uint8_t* src = w_src + static_cast<int64_t>(kt) * kStripStage;
 #pragma unroll
-        for (int u = 0; u < kPreN; ++u) {
-          if (w_dst[u] != ~0u) cp_async16(st_u32 + w_dst[u], wk + w_src[u], true);
+          for (int u = 0; u < (kStripChunks + 31) / 32; ++u) {
+            if (lane + 32 * u < kStripChunks) cp_async16(dst + 512 * u, src + 512 * u, true);
+          }
         }
       } else {
+        const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
         for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
           const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
           if (i < strips_valid)
@@ -590,18 +587,18 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
       if (warp_active) {
         if constexpr (C::wt == 1) {  // tiny decode tile: one live token step
-          compute_stage<C, 1>(st, lane, warp_n, warp_m, nj, wide, acc);
+          compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
         } else if constexpr (C::wt == 4) {  // decode tile: one variant per live token-step count
           if (nj == 1)
-            compute_stage<C, 1>(st, lane, warp_n, warp_m, nj, wide, acc);
+            compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
           else if (nj == 2)
-            compute_stage<C, 2>(st, lane, warp_n, warp_m, nj, wide, acc);
+            compute_stage<C, kWide, 2>(st, lane, warp_n, warp_m, nj, acc);
           else if (nj == 3)
-            compute_stage<C, 3>(st, lane, warp_n, warp_m, nj, wide, acc);
+            compute_stage<C, kWide, 3>(st, lane, warp_n, warp_m, nj, acc);
           else
-            compute_stage<C, 4>(st, lane, warp_n, warp_m, nj, wide, acc);
+            compute_stage<C, kWide, 4>(st, lane, warp_n, warp_m, nj, acc);
         } else {  // prefill tile: run-time count (register budget)
-          compute_stage<C, 0>(st, lane, warp_n, warp_m, nj, wide, acc);
+          compute_stage<C, kWide, 0>(st, lane, warp_n, warp_m, nj, acc);
         }
       }
     }
@@ -682,7 +679,7 @@ __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, 
 
 // ---- the wgmma tile ----------------------------------------------------------------------------
 
-template <class C>
+template <class C, bool kWide>
 __global__ void __launch_bounds__(C::threads, C::min_blocks)
     mxfp4_moe_wgmma_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
   // (128-byte declared alignment like the other kernels of this file, which share the extern
@@ -703,7 +700,6 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   const int kt_total = static_cast<int>(p.k_pad / kBK);
   const int64_t kb_total = sch.kb_total;
   const bool out_bf16 = p.out_dtype == DType::kBFloat16;
-  const bool wide = p.wide_scales;
   const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
   // B tile copies: thread tid owns 16-byte chunk bc of a token's k block (16 chunks in two
   // 64-k panels for bf16, 8 in one for e4m3) of token rows brow + kBRowStep u; the swizzled
@@ -803,8 +799,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         for (int kb = 0; kb < 2; ++kb) {
           const uint8_t* blk = wst + kb * kBlk;
           wq[kb] = *reinterpret_cast<const uint4*>(blk + lane * 16);
-          bf16_multipliers(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), wide, m1[kb],
-                           m2[kb]);
+          bf16_multipliers<kWide>(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), m1[kb],
+                                  m2[kb]);
           // A strip past the weight rows decodes stale shared memory: its output rows are
           // discarded, and a zero multiplier keeps them finite.
 #pragma unroll
@@ -814,7 +810,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         for (int step = 0; step < 8; ++step) {  // step = real 16-k group of the stage
           const int kb = step >> 2, s2 = (step >> 1) & 1, h = step & 1;
           uint32_t(&f)[4] = a[step & 1];
-          decode_bf16_scaled(word_of(wq[kb], 2 * s2 + h), m1[kb], m2[kb], s2, wide, f);
+          decode_bf16_scaled<kWide>(word_of(wq[kb], 2 * s2 + h), m1[kb], m2[kb], s2, f);
           uint64_t desc[1] = {
               wgmma::desc_sw128(b_base + (step >> 2) * (C::bm * 128) + (step & 3) * 32, 16, 1024)};
           wgmma::fence_operands(f);
@@ -889,13 +885,15 @@ constexpr int kMaxDevices = 64;
 
 int64_t schedule_smem_bytes(int64_t num_experts) { return (3 * num_experts + 1) * 4; }
 
-template <class C>
-void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
+// One launch of config C; kWide as in mxfp4_moe_kernel (float8 has one variant: its decode
+// takes the scales through the byte tables).
+template <class C, bool kWide>
+void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   void (*kernel)(const Mxfp4CudaGemmParams);
   if constexpr (C::wgmma)
-    kernel = mxfp4_moe_wgmma_kernel<C>;
+    kernel = mxfp4_moe_wgmma_kernel<C, kWide>;
   else
-    kernel = mxfp4_moe_kernel<C>;
+    kernel = mxfp4_moe_kernel<C, kWide>;
   const int64_t E = p.num_experts;
   const int64_t n_tiles = (p.n_pad / 16 + C::strips - 1) / C::strips;
   const int64_t tiles_bound = p.masked_m != nullptr
@@ -934,6 +932,24 @@ void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
                                                               int64_t{sms} * blocks_per_sm));
   kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
   ZI_CUDA_CHECK_LAUNCH("mxfp4_moe_kernel");
+}
+
+template <class C>
+constexpr bool kIsFp8 = [] {
+  if constexpr (C::wgmma)
+    return C::fp8;
+  else
+    return false;
+}();
+
+template <class C>
+void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
+  if constexpr (kIsFp8<C>)
+    launch_variant<C, false>(p, stream);
+  else if (p.wide_scales)
+    launch_variant<C, true>(p, stream);
+  else
+    launch_variant<C, false>(p, stream);
 }
 
 }  // namespace
