@@ -527,6 +527,17 @@ def test_cuda_routing(gen, tile, dtype, masked, routing):
                      f"{routing} tile={t}")
 
 
+def _planned_vs_one_tile(c, tile, one_tile, what):
+    """The op under its own plan (tile 0): right against the reference, and bitwise what
+    `one_tile` forced for every expert writes."""
+    tile(0)
+    got = run_cuda(c, out_dtype=torch.float32)
+    check_vs_ref(got, c, torch.float32, what)
+    tile(one_tile)
+    one = run_cuda(c, out_dtype=torch.float32, check=False)
+    assert torch.equal(got.view(torch.int32), one.view(torch.int32)), f"{what} vs tile {one_tile}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("masked", [False, True])
@@ -545,12 +556,7 @@ def test_cuda_split_plan(gen, tile, masked, dtype):
     plan = tuple(tuple(t) for t in _C.mxfp4_cuda_plan(dtype == FP8, masked, m, E,
                                                       max(counts) + 2, 0))
     assert plan == (((4, 0),) if masked else ((1, 0), (4, thr))), plan
-    tile(0)
-    got = run_cuda(c, out_dtype=torch.float32)
-    check_vs_ref(got, c, torch.float32, "split plan")
-    tile(1)
-    one = run_cuda(c, out_dtype=torch.float32, check=False)
-    assert torch.equal(got.view(torch.int32), one.view(torch.int32)), "split plan vs tile 1"
+    _planned_vs_one_tile(c, tile, 1, "split plan")
 
 
 @pytest.mark.gpu
@@ -572,12 +578,7 @@ def test_cuda_every_tier(gen, tile, dtype):
     plan = tuple(tuple(t) for t in _C.mxfp4_cuda_plan(dtype == FP8, False, m, E, 0, 0))
     want = ((3, 0), (1, 9), (4, thr)) + (((2, 512),) if dtype == FP8 else ())
     assert plan == want, plan
-    tile(0)
-    got = run_cuda(c, out_dtype=torch.float32)
-    check_vs_ref(got, c, torch.float32, "every tier")
-    tile(4)
-    one = run_cuda(c, out_dtype=torch.float32, check=False)
-    assert torch.equal(got.view(torch.int32), one.view(torch.int32)), "tiers vs tile 4"
+    _planned_vs_one_tile(c, tile, 4, "every tier")
 
 
 @pytest.mark.gpu
