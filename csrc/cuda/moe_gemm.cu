@@ -952,6 +952,19 @@ void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
     launch_variant<C, false>(p, stream);
 }
 
+// Tile number (Mxfp4CudaGemmParams::tile) -> config: 1 small, 2 large / wide, 3 tiny, 4 prefill.
+template <class Small, class Large, class Tiny, class Prefill>
+void launch_tile(int tile, const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
+  if (tile == 4)
+    launch<Prefill>(p, stream);
+  else if (tile == 2)
+    launch<Large>(p, stream);
+  else if (tile == 3)
+    launch<Tiny>(p, stream);
+  else
+    launch<Small>(p, stream);
+}
+
 }  // namespace
 
 void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
@@ -996,25 +1009,10 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
     Mxfp4CudaGemmParams q = p;
     q.rows_lo = rows_lo;
     q.rows_hi = rows_hi;
-    if (q.a_dtype == DType::kFloat8E4M3) {  // wgmma at every size (see WgCfg)
-      if (tile == 4)
-        launch<WgFp8Cfg>(q, s);
-      else if (tile == 2)
-        launch<WgFp8WideCfg>(q, s);
-      else if (tile == 3)
-        launch<WgFp8TinyCfg>(q, s);
-      else
-        launch<WgFp8SmallCfg>(q, s);
-    } else {
-      if (tile == 4)
-        launch<WgBf16Cfg>(q, s);
-      else if (tile == 2)
-        launch<LargeCfg>(q, s);
-      else if (tile == 3)
-        launch<TinyCfg>(q, s);
-      else
-        launch<SmallCfg>(q, s);
-    }
+    if (q.a_dtype == DType::kFloat8E4M3)  // wgmma at every size (see WgCfg)
+      launch_tile<WgFp8SmallCfg, WgFp8WideCfg, WgFp8TinyCfg, WgFp8Cfg>(tile, q, s);
+    else
+      launch_tile<SmallCfg, LargeCfg, TinyCfg, WgBf16Cfg>(tile, q, s);
   };
   for (int i = 0; i < plan.launches; ++i) {
     const int64_t hi = i + 1 < plan.launches ? plan.from_rows[i + 1] : INT32_MAX;
