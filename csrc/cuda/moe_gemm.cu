@@ -523,6 +523,13 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const int a_r0 = tid / C::chunks_per_row, a_cc = tid - a_r0 * C::chunks_per_row;
     const int64_t a_off0 = (static_cast<int64_t>(a_r0) * k + a_cc * (16 / kEsize)) * kEsize;
     const uint32_t a_dst0 = static_cast<uint32_t>(C::w_bytes + a_r0 * C::a_pitch + a_cc * 16);
+    // Per item: the thread's first source chunk, how many of its rows the tile holds, and the
+    // stages whose k block still covers its column (later ones zero-fill: k % kBK != 0).
+    const uint8_t* a_src = atile + a_off0;
+    const int a_rows = tile_rows > a_r0 ? (tile_rows - a_r0 + kRowStep - 1) / kRowStep : 0;
+    const int a_col = a_cc * (16 / kEsize);
+    const int a_kt_end = k > a_col ? (k - a_col + kBK - 1) / kBK : 0;
+    const int64_t a_row_step = static_cast<int64_t>(kRowStep) * k * kEsize;
 
     auto load_stage = [&](int slot_idx, int kt) {
       uint8_t* st = smem + slot_idx * C::stage_bytes;
@@ -545,18 +552,14 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         }
       }
       if constexpr (kAPre) {
-        const uint32_t st_u32 = smem_u32(st);
-        const bool valid = kt * kBK + a_cc * (16 / kEsize) < k;
-        const uint8_t* src0 = atile + a_off0 + static_cast<int64_t>(kt) * (kBK * kEsize);
+        const uint32_t dst = smem_u32(st) + a_dst0;
+        const bool valid = kt < a_kt_end;
+        const uint8_t* src0 = a_src + static_cast<int64_t>(kt) * (kBK * kEsize);
 #pragma unroll
         for (int u = 0; u < kAChunks; ++u) {
-          if (a_r0 + u * kRowStep < tile_rows) {
-            const void* src =
-                valid ? static_cast<const void*>(
-                            src0 + static_cast<int64_t>(u) * kRowStep * k * kEsize)
-                      : p.a;
-            cp_async16(st_u32 + a_dst0 + u * kRowStep * C::a_pitch, src, valid);
-          }
+          if (u < a_rows)
+            cp_async16(dst + u * kRowStep * C::a_pitch,
+                       valid ? static_cast<const void*>(src0 + u * a_row_step) : p.a, valid);
         }
       } else {
         for (int c = tid; c < tile_rows * C::chunks_per_row; c += C::threads) {
