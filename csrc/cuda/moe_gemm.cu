@@ -191,24 +191,33 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 
 // bf16 layout -> the k16 step's A fragment: a0 = (g; j0,j1), a1 = (g+8; j0,j1), a2 = (g; j2,j3),
 // a3 = (g+8; j2,j3), each a bf16 pair (low half = first value) with bits sgn<<15 | e1 e0 m<<6,
-// i.e. the value times 2^-126 (unscaled). a0 is the word masked, a1 / a2 the word rotated right
-// by 3 / 6 and masked; a3's bits (e0 e1 at 0 1, m at 3, sgn at 4, +16 for j3) take 3 shifts.
-__device__ __forceinline__ void decode_bf16_raw(uint32_t q, uint32_t (&a)[4]) {
+// i.e. the value times 2^-126 (unscaled). Words come in pairs q0, q1 (the two 16-halves h of a
+// 32-group): of word q_h, a0 is the word masked, a1 / a2 the word rotated right by 4 / 10 and
+// masked. No four rotations of the pair mask tile a 32-bit word (checked exhaustively), so each
+// word has 8 bits left over (kLeft); the two words' leftovers merge into one word z, whose
+// rotations by 6 and 12 are a3 of h = 0 and h = 1: 2 instructions for z shared by both words,
+// 2 for each a3 (the single-word layout took 3 shifts and 3 masks for every a3).
+__device__ __forceinline__ void decode_bf16_raw(uint32_t q0, uint32_t q1, int h,
+                                                uint32_t (&a)[4]) {
   constexpr uint32_t kPair = 0x81C081C0u;  // sgn 15 | e1 e0 m 8..6, twice
+  constexpr uint32_t kLeft = 0x60306030u;  // bits 4, 5, 13, 14 (+16): what the rotations leave
+  const uint32_t q = h == 0 ? q0 : q1;
   a[0] = q & kPair;
-  a[1] = __funnelshift_r(q, q, 3) & kPair;
-  a[2] = __funnelshift_r(q, q, 6) & kPair;
-  a[3] = ((q << 7) & 0x01800180u) | ((q << 3) & 0x00400040u) | ((q << 11) & 0x80008000u);
+  a[1] = __funnelshift_r(q, q, 4) & kPair;
+  a[2] = __funnelshift_r(q, q, 10) & kPair;
+  const uint32_t z = (q0 & kLeft) | (__funnelshift_r(q1, q1, 2) & ~kLeft);
+  a[3] = __funnelshift_r(z, z, h == 0 ? 6 : 12) & kPair;
 }
 
-// One word's scaled A fragment for a k16 step of 32-group s: decode_bf16_raw, then rows g (a0,
-// a2) times m1[s] and rows g + 8 (a1, a3) times m1[2 + s], and the second factors when wide
+// The scaled A fragment of half h of a 32-group s (words q0, q1): decode_bf16_raw, then rows g
+// (a0, a2) times m1[s] and rows g + 8 (a1, a3) times m1[2 + s], and the second factors when wide
 // (bf16_multipliers below). Exact: every factor is a power of two.
 template <bool kWide>
-__device__ __forceinline__ void decode_bf16_scaled(uint32_t q, const uint32_t (&m1)[4],
+__device__ __forceinline__ void decode_bf16_scaled(uint32_t q0, uint32_t q1, int h,
+                                                   const uint32_t (&m1)[4],
                                                    const uint32_t (&m2)[4], int s,
                                                    uint32_t (&a)[4]) {
-  decode_bf16_raw(q, a);
+  decode_bf16_raw(q0, q1, h, a);
   a[0] = bf16x2_mul(a[0], m1[s]);
   a[1] = bf16x2_mul(a[1], m1[2 + s]);
   a[2] = bf16x2_mul(a[2], m1[s]);
@@ -320,7 +329,8 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, in
 #pragma unroll
         for (int i = 0; i < C::wn; ++i) {
           uint32_t a[4];
-          decode_bf16_scaled<kWide>(word_of(wq[i], 2 * s + h), m1[i], m2[i], s, a);
+          decode_bf16_scaled<kWide>(word_of(wq[i], 2 * s), word_of(wq[i], 2 * s + 1), h, m1[i],
+                                    m2[i], s, a);
 #pragma unroll
           for (int j = 0; j < C::wt; ++j) {
             if (j < nj) mma_bf16(acc[i][j], a, b[j][0], b[j][1]);
@@ -513,6 +523,13 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const int a_r0 = tid / C::chunks_per_row, a_cc = tid - a_r0 * C::chunks_per_row;
     const int64_t a_off0 = (static_cast<int64_t>(a_r0) * k + a_cc * (16 / kEsize)) * kEsize;
     const uint32_t a_dst0 = static_cast<uint32_t>(C::w_bytes + a_r0 * C::a_pitch + a_cc * 16);
+    // Per item: the thread's first source chunk, how many of its rows the tile holds, and the
+    // stages whose k block still covers its column (later ones zero-fill: k % kBK != 0).
+    const uint8_t* a_src = atile + a_off0;
+    const int a_rows = tile_rows > a_r0 ? (tile_rows - a_r0 + kRowStep - 1) / kRowStep : 0;
+    const int a_col = a_cc * (16 / kEsize);
+    const int a_kt_end = k > a_col ? (k - a_col + kBK - 1) / kBK : 0;
+    const int64_t a_row_step = static_cast<int64_t>(kRowStep) * k * kEsize;
 
     auto load_stage = [&](int slot_idx, int kt) {
       uint8_t* st = smem + slot_idx * C::stage_bytes;
@@ -535,18 +552,14 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         }
       }
       if constexpr (kAPre) {
-        const uint32_t st_u32 = smem_u32(st);
-        const bool valid = kt * kBK + a_cc * (16 / kEsize) < k;
-        const uint8_t* src0 = atile + a_off0 + static_cast<int64_t>(kt) * (kBK * kEsize);
+        const uint32_t dst = smem_u32(st) + a_dst0;
+        const bool valid = kt < a_kt_end;
+        const uint8_t* src0 = a_src + static_cast<int64_t>(kt) * (kBK * kEsize);
 #pragma unroll
         for (int u = 0; u < kAChunks; ++u) {
-          if (a_r0 + u * kRowStep < tile_rows) {
-            const void* src =
-                valid ? static_cast<const void*>(
-                            src0 + static_cast<int64_t>(u) * kRowStep * k * kEsize)
-                      : p.a;
-            cp_async16(st_u32 + a_dst0 + u * kRowStep * C::a_pitch, src, valid);
-          }
+          if (u < a_rows)
+            cp_async16(dst + u * kRowStep * C::a_pitch,
+                       valid ? static_cast<const void*>(src0 + u * a_row_step) : p.a, valid);
         }
       } else {
         for (int c = tid; c < tile_rows * C::chunks_per_row; c += C::threads) {
@@ -810,7 +823,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         for (int step = 0; step < 8; ++step) {  // step = real 16-k group of the stage
           const int kb = step >> 2, s2 = (step >> 1) & 1, h = step & 1;
           uint32_t(&f)[4] = a[step & 1];
-          decode_bf16_scaled<kWide>(word_of(wq[kb], 2 * s2 + h), m1[kb], m2[kb], s2, f);
+          decode_bf16_scaled<kWide>(word_of(wq[kb], 2 * s2), word_of(wq[kb], 2 * s2 + 1), h,
+                                    m1[kb], m2[kb], s2, f);
           uint64_t desc[1] = {
               wgmma::desc_sw128(b_base + (step >> 2) * (C::bm * 128) + (step & 3) * 32, 16, 1024)};
           wgmma::fence_operands(f);

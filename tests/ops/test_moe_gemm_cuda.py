@@ -134,13 +134,16 @@ def emulate_bf16_weights(pw):
             m1 = _bf16_bits_to_f64((scw + 126) << 7)
             m2 = torch.ones_like(m1)
         mult = m1 * m2  # exact powers of two
+        def rotr(x, n):
+            return ((x >> n) | (x << (32 - n))) & M
+
         for word in range(4):
             s, h = divmod(word, 2)
-            q = words[:, :, :, lane, word]
-            rot3 = ((q >> 3) | (q << 29)) & M
-            rot6 = ((q >> 6) | (q << 26)) & M
-            a = [q & 0x81C081C0, rot3 & 0x81C081C0, rot6 & 0x81C081C0,  # decode_bf16_raw
-                 ((q << 7) & 0x01800180) | ((q << 3) & 0x00400040) | ((q << 11) & 0x80008000)]
+            q0, q1 = words[:, :, :, lane, 2 * s], words[:, :, :, lane, 2 * s + 1]
+            q = q1 if h else q0
+            z = (q0 & 0x60306030) | (rotr(q1, 2) & ~0x60306030 & M)  # decode_bf16_raw
+            a = [q & 0x81C081C0, rotr(q, 4) & 0x81C081C0, rotr(q, 10) & 0x81C081C0,
+                 rotr(z, 12 if h else 6) & 0x81C081C0]
             # PTX m16n8k16 A fragment: a0 (g; 2t, 2t+1) a1 (g+8; 2t, 2t+1) a2 (g; 2t+8, 2t+9)
             # a3 (g+8; 2t+8, 2t+9). Scales: a0, a2 by row g's group s, a1, a3 by row g+8's.
             for p, (row, kl0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8),

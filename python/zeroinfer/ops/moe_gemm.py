@@ -61,12 +61,13 @@ def _kslot_order(a: torch.Tensor) -> torch.Tensor:
 #     / high 16 bits masked with 0x7777 are a prmt selector of the row's 4 e4m3 bytes; its sign
 #     bit is bit 8j + 7 (row g) or 8j + 3 (row g+8): the word masked with 0x80808080, or shifted
 #     left by 4 and masked, is the sign of each byte.
-#   bfloat16: bit positions (m, e0, e1, sgn) of
-#     (g, 0): 6, 7, 8, 15      (g, 1): 22, 23, 24, 31   (g+8, 0): 9, 10, 11, 18
-#     (g+8, 1): 25, 26, 27, 2  (g, 2): 12, 13, 14, 21   (g, 3): 28, 29, 30, 5
-#     (g+8, 2): 3, 0, 1, 4     (g+8, 3): 19, 16, 17, 20
-#     i.e. the word itself, and the word rotated right by 3 and by 6, each masked with
-#     0x81C081C0, are bf16 pairs (value * 2^-126) of the A fragment; the last pair takes 3 shifts.
+#   bfloat16: words come in pairs (q0, q1) = the two 16-halves h of a 32-group; in the
+#     kernel's decode (decode_bf16_raw in csrc/cuda/moe_gemm.cu) the A-fragment registers of half
+#     h are: a0 = q_h & 0x81C081C0, a1 / a2 = q_h rotated right by 4 / 10 and masked alike, and a3
+#     = z rotated right by 6 (h = 0) / 12 (h = 1) and masked, with z = (q0 & 0x60306030) |
+#     (q1 rotated right by 2 & ~0x60306030): bf16 pairs (value * 2^-126, bits sgn 15 | e1 e0 m
+#     8..6, low half the first value) with a0 = (g; j0, j1), a1 = (g+8; j0, j1), a2 = (g; j2, j3),
+#     a3 = (g+8; j2, j3). _bf16_pair_bits derives the bit positions from exactly that routing.
 # Bytes 512..543 hold the UE8M0 scales: byte 4g + c = (row g, group 0), (row g, group 1),
 # (row g + 8, group 0), (row g + 8, group 1) for c = 0..3. Rows are padded to a multiple of
 # MXFP4_PACK_ROWS and k to a multiple of MXFP4_PACK_K with zero values and scale byte 127.
@@ -75,16 +76,41 @@ def _kslot_order(a: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 _FP8_BITS = {(r, j): (4 * (4 * r + j), 4 * (4 * r + j) + 1, 4 * (4 * r + j) + 2,
                      8 * j + (7 if r == 0 else 3)) for r in range(2) for j in range(4)}
-_BF16_BITS = {(0, 0): (6, 7, 8, 15), (0, 1): (22, 23, 24, 31), (1, 0): (9, 10, 11, 18),
-              (1, 1): (25, 26, 27, 2), (0, 2): (12, 13, 14, 21), (0, 3): (28, 29, 30, 5),
-              (1, 2): (3, 0, 1, 4), (1, 3): (19, 16, 17, 20)}
+
+
+def _bf16_pair_bits() -> dict[tuple[int, int, int], tuple[int, int, int, int]]:
+    """(h, r, j) -> positions (0..63 over the word pair q0 | q1 << 32) of value (r, j)'s nibble
+    bits (m, e0, e1, sgn) in half h, following the kernel's decode routing (comment above)."""
+    pair_bits = (6, 7, 8, 15)   # output bits of m, e0, e1, sgn in the low bf16 (+16: high)
+    left = 0x60306030
+    out: dict[tuple[int, int, int], list[int]] = {}
+    for h in range(2):
+        for reg, (r, jp) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+            for half in range(2):
+                key = (h, r, 2 * jp + half)
+                out[key] = []
+                for p in (b + 16 * half for b in pair_bits):
+                    if reg < 3:  # rotation of q_h
+                        pos = 32 * h + (p + (0, 4, 10)[reg]) % 32
+                    else:        # rotation of z
+                        zb = (p + (6, 12)[h]) % 32
+                        pos = zb if (left >> zb) & 1 else 32 + (zb + 2) % 32
+                    out[key].append(pos)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+_BF16_PAIR_BITS = _bf16_pair_bits()
 _ACT_DTYPES_CUDA = (torch.bfloat16, _FP8)
 _BLOCK_MAPS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _word_bits(act_dtype: torch.dtype) -> dict[tuple[int, int], tuple[int, int, int, int]]:
-    """(r, j) -> bit positions in the 32-bit word of (m, e0, e1, sgn), i.e. of nibble bits 0..3."""
-    return _FP8_BITS if act_dtype == _FP8 else _BF16_BITS
+def _pair_bits(act_dtype: torch.dtype) -> dict[tuple[int, int, int], tuple[int, int, int, int]]:
+    """(h, r, j) -> positions over a 32-group's word pair (word h = bits 32h..32h+31) of value
+    (r, j)'s nibble bits (m, e0, e1, sgn). Float8 words stand alone (the same bits each h)."""
+    if act_dtype == _FP8:
+        return {(h, r, j): tuple(32 * h + b for b in pos)
+                for h in range(2) for (r, j), pos in _FP8_BITS.items()}
+    return _BF16_PAIR_BITS
 
 
 def _block_maps(device: torch.device,
@@ -93,16 +119,15 @@ def _block_maps(device: torch.device,
     (row * 64 + k) * 4 + nibble bit, and scale byte -> row * 2 + group."""
     maps = _BLOCK_MAPS.get((device, act_dtype))
     if maps is None:
-        bits = _word_bits(act_dtype)
+        bits = _pair_bits(act_dtype)
         bm = torch.full((4096,), -1, dtype=torch.long)
         for lane in range(32):
             g, t = divmod(lane, 4)
-            for word in range(4):
-                s, h = divmod(word, 2)
-                for (r, j), pos in bits.items():
+            for s in range(2):  # the lane's words 2s, 2s + 1: one pair
+                for (h, r, j), pos in bits.items():
                     k = 32 * s + 16 * h + 4 * t + j
                     for b, q in enumerate(pos):
-                        bm[lane * 128 + word * 32 + q] = ((g + 8 * r) * 64 + k) * 4 + b
+                        bm[lane * 128 + s * 64 + q] = ((g + 8 * r) * 64 + k) * 4 + b
         assert sorted(bm.tolist()) == list(range(4096))
         sc = torch.empty(32, dtype=torch.long)
         for g in range(8):
