@@ -26,6 +26,16 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// 2^x for the softmax's per-score exponentials: one MUFU.EX2. exp2f adds a range test and two
+// multiplies a value to keep subnormal results; here those are probabilities below 2^-126 of a
+// row whose sum is at least 1 (the running maximum's own term), so flushing them to 0 is exact
+// to well below fp32 rounding.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Exact bf16x2 product when one factor is a power of two (fma with -0 keeps the sign of zero
 // products; bf16 subnormals are kept).
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {

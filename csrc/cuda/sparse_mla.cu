@@ -114,7 +114,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 // 4 e4m3 bytes (little-endian in `x`) times 2^k -> 2 packed bf16 pairs, through f16 and fp32:
 // exact for every scale (e4m3 -> f16 is exact, so is the power-of-two scale and the rounding to
-// bf16: 3 mantissa bits fit in 7). The slow path of dequant16 below.
+// bf16: 3 mantissa bits fit in 7). The slow path (dequant16_slow) below.
 __device__ __forceinline__ void dequant4(uint32_t x, float scale, uint32_t& lo, uint32_t& hi) {
   __half2_raw h0 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xffffu),
                                               __NV_E4M3);
@@ -126,35 +126,56 @@ __device__ __forceinline__ void dequant4(uint32_t x, float scale, uint32_t& lo, 
   hi = pack_bf16(f1.x * scale, f1.y * scale);
 }
 
-// Two e4m3 values, as bytes 1 and 3 of `a` (the other bytes zero), -> the bf16 pair with the same
-// bits moved down by 4: sign in place, exponent and mantissa in the bf16 fields. Its value is the
-// e4m3 value times 2^-120 exactly (e4m3 subnormals land on bf16 subnormals).
-__device__ __forceinline__ uint32_t e4m3x2_as_bf16x2_shifted(uint32_t a) {
-  return (a & 0x80008000u) | ((a & 0x7F007F00u) >> 4);
+// Two e4m3 values (bytes kLo and kHi of `w`) -> the bf16 pair with the same bits moved down by 4:
+// sign in place, exponent and mantissa in the bf16 fields. Its value is the e4m3 value times 2^-120
+// exactly (e4m3 subnormals land on bf16 subnormals). Three instructions: prmt puts byte kHi at
+// byte 3, byte kLo sign-replicated at byte 2 (selector bit 3), byte kLo at byte 1 and zero at byte
+// 0; the arithmetic shift by 4 leaves each 16-bit lane as s s s s s e e e e m m m 0 0 0 0 (the upper
+// lane's copies of the sign from bit 31, the lower lane's from the replicated byte) and the mask
+// keeps the sign and the 7 exponent/mantissa bits. (The mask-shift-or form took 4; checked for all
+// 65,536 byte pairs against the bit formula in tests/ops/test_sparse_mla.py's model.)
+template <int kLo, int kHi>
+__device__ __forceinline__ uint32_t e4m3x2_as_bf16x2_shifted(uint32_t w) {
+  constexpr uint32_t kSel = (kHi << 12) | ((8 | kLo) << 8) | (kLo << 4) | 4;
+  uint32_t a;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(a) : "r"(w), "r"(0u), "n"(kSel));
+  return static_cast<uint32_t>(static_cast<int32_t>(a) >> 4) & 0x87F087F0u;
 }
 
-// 16 e4m3 values times 2^(b-127) (UE8M0 byte b) -> 16 bf16 in two 16-byte chunks. Fast path
-// (b <= 134, i.e. scales up to 2^7; a real cache's scales are far below): bit moves plus one
-// bf16x2 multiply by 2^(b-7) = 2^120 * 2^(b-127) per pair, ~2.5 instructions a value, exact
-// because a product with a power of two is. Larger scales take the f16/fp32 route.
-__device__ __forceinline__ void dequant16(const uint4& x, uint32_t b, uint4& lo, uint4& hi) {
+// 16 e4m3 values times 2^(b-127) (UE8M0 byte b) -> 16 bf16 in two 16-byte chunks.
+// Fast (b <= 134, i.e. scales up to 2^7; a real cache's scales are far below): bit moves plus one
+// bf16x2 multiply by 2^(b-7) = 2^120 * 2^(b-127) per pair, 2 instructions a value, exact because a
+// product with a power of two is. Slow (any b): through f16 and fp32. The caller picks once per
+// row (fp8_row_fast), so the hot loop holds only the fast code.
+__device__ __forceinline__ void dequant16_fast(const uint4& x, uint32_t b, uint4& lo, uint4& hi) {
   const uint32_t w[4] = {x.x, x.y, x.z, x.w};
   uint32_t o[8];
-  if (b <= 134u) {
-    const uint32_t m = (b + 120u) << 7;  // bf16 bits of 2^(b-7)
-    const uint32_t m2 = m | (m << 16);
+  const uint32_t m = (b + 120u) << 7;  // bf16 bits of 2^(b-7)
+  const uint32_t m2 = m | (m << 16);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      o[2 * i] = bf16x2_mul(e4m3x2_as_bf16x2_shifted(__byte_perm(w[i], 0, 0x1404)), m2);
-      o[2 * i + 1] = bf16x2_mul(e4m3x2_as_bf16x2_shifted(__byte_perm(w[i], 0, 0x3424)), m2);
-    }
-  } else {
-    const float sc = ue8m0_to_float(static_cast<uint8_t>(b));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dequant4(w[i], sc, o[2 * i], o[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) {
+    o[2 * i] = bf16x2_mul(e4m3x2_as_bf16x2_shifted<0, 1>(w[i]), m2);
+    o[2 * i + 1] = bf16x2_mul(e4m3x2_as_bf16x2_shifted<2, 3>(w[i]), m2);
   }
   lo = make_uint4(o[0], o[1], o[2], o[3]);
   hi = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+__device__ __forceinline__ void dequant16_slow(const uint4& x, uint32_t b, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  uint32_t o[8];
+  const float sc = ue8m0_to_float(static_cast<uint8_t>(b));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dequant4(w[i], sc, o[2 * i], o[2 * i + 1]);
+  lo = make_uint4(o[0], o[1], o[2], o[3]);
+  hi = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// Whether every NoPE block scale of a row (bytes 0-6 of the 8 scale bytes; byte 7 is padding)
+// takes dequant16_fast.
+__device__ __forceinline__ bool fp8_row_fast(uint2 scales) {
+  return (__vcmpgtu4(scales.x, 0x86868686u) | (__vcmpgtu4(scales.y, 0x86868686u) & 0x00ffffffu)) ==
+         0u;
 }
 
 struct CacheView {
@@ -275,10 +296,12 @@ struct Fp8Rows {
 template <int kP>
 __device__ __forceinline__ void load_fp8_row(Fp8Rows<kP>& r, const RowRef& ref, int q) {
   r.valid = ref.row != nullptr;
+  if (!r.valid) {  // zero rows: a skipped entry contributes exactly nothing
 #pragma unroll
-  for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) r.v[k] = make_uint4(0, 0, 0, 0);
-  r.scales = make_uint2(0, 0);
-  if (!r.valid) return;  // zero rows: a skipped entry contributes exactly nothing
+    for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) r.v[k] = make_uint4(0, 0, 0, 0);
+    r.scales = make_uint2(0, 0);
+    return;
+  }
 #pragma unroll
   for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) {
     const int c = q + kP * k;
@@ -306,9 +329,11 @@ __device__ __forceinline__ void prefetch_fp8_row(const RowRef& ref, int q) {
   if (q == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.scale));
 }
 
-// Dequantise the held row of entry `e` into the swizzled bf16 tile.
-template <int kP>
-__device__ __forceinline__ void store_fp8_row(const Fp8Rows<kP>& r, uint8_t* tile, int e, int q) {
+// Dequantise the held row of entry `e` into the swizzled bf16 tile: the fast loop when every scale
+// of the row allows it (always, for real caches), else the slow one. One test a row instead of one
+// a chunk keeps the slow code out of the hot loop (and out of the instruction cache).
+template <int kP, bool kFast>
+__device__ __forceinline__ void store_fp8_chunks(const Fp8Rows<kP>& r, uint8_t* tile, int e, int q) {
   const uint64_t sc = (static_cast<uint64_t>(r.scales.y) << 32) | r.scales.x;
 #pragma unroll
   for (int k = 0; k < Fp8Rows<kP>::kChunks; ++k) {
@@ -316,13 +341,25 @@ __device__ __forceinline__ void store_fp8_row(const Fp8Rows<kP>& r, uint8_t* til
     if (c >= kFp8Chunks) continue;
     if (c < kNopeChunks) {
       uint4 lo, hi;
-      dequant16(r.v[k], static_cast<uint32_t>(sc >> (8 * (c >> 2))) & 0xffu, lo, hi);
+      const uint32_t b = static_cast<uint32_t>(sc >> (8 * (c >> 2))) & 0xffu;
+      if constexpr (kFast)
+        dequant16_fast(r.v[k], b, lo, hi);
+      else
+        dequant16_slow(r.v[k], b, lo, hi);
       *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 2 * c)) = lo;
       *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, 2 * c + 1)) = hi;
     } else {
       *reinterpret_cast<uint4*>(tile + swz<kTileN>(e, kRopeChunk0 + (c - kNopeChunks))) = r.v[k];
     }
   }
+}
+
+template <int kP>
+__device__ __forceinline__ void store_fp8_row(const Fp8Rows<kP>& r, uint8_t* tile, int e, int q) {
+  if (fp8_row_fast(r.scales))
+    store_fp8_chunks<kP, true>(r, tile, e, q);
+  else
+    store_fp8_chunks<kP, false>(r, tile, e, q);
 }
 
 // One tile's online-softmax step for a warp holding S rows rg*16 + g (+8) over entries n0..:
@@ -375,7 +412,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
   for (int r = 0; r < 2; ++r) {
     alpha[r] = 1.f;
     if (mx[r] > m_run[r] + kRescaleSlack) {  // false while both are -inf
-      alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2f(m_run[r] - mx[r]);
+      alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2_approx(m_run[r] - mx[r]);
       m_run[r] = mx[r];
       l_run[r] *= alpha[r];
     }
@@ -388,7 +425,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       const int r = x >> 1;
-      p[x] = m_run[r] == -INFINITY ? 0.f : exp2f(s[j][x] - m_run[r]);
+      p[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s[j][x] - m_run[r]);
       l_run[r] += p[x];
     }
     const int col = n0 + j * 8 + q4 * 2;  // entry within the tile

@@ -37,6 +37,17 @@ def make_cache(gen: torch.Generator, fmt: str, num_blocks: int, block_size: int)
         nope = torch.where(nope >= 0x7F, nope + 1, nope).to(torch.uint8)  # skip 0x7f and 0xff
         rope = (torch.randn(nb, bs, 64, generator=gen)).bfloat16().view(torch.uint8)
         scales = torch.randint(117, 123, (nb, bs, 8), generator=gen, dtype=torch.int32)
+        # About one row in eight takes the kernels' slow dequantisation (a block scale above
+        # 2^7): that block gets a scale of 2^8..2^10 and small codes (|value| <= 2^-6 * 1.875)
+        # so its scores stay in the range of the others.
+        slow = torch.rand(nb, bs, generator=gen) < 0.125
+        blk = torch.randint(0, 7, (nb, bs), generator=gen)
+        big = torch.randint(135, 138, (nb, bs), generator=gen, dtype=torch.int32)
+        kept = scales.gather(2, blk[..., None])[..., 0]
+        scales.scatter_(2, blk[..., None], torch.where(slow, big, kept)[..., None])
+        in_blk = (torch.arange(448) // 64)[None, None, :] == blk[..., None]
+        small = (nope & 0x80) | (nope & 0x0F)
+        nope = torch.where(slow[..., None] & in_blk, small, nope)
         scales[..., 7] = torch.randint(0, 256, (nb, bs), generator=gen)  # pad: must be ignored
         rows = torch.cat([nope, rope], dim=-1).reshape(nb, bs * 576)
         return torch.cat([rows, scales.to(torch.uint8).reshape(nb, bs * 8)], dim=1)
@@ -416,3 +427,29 @@ def test_kernel_rejects_out_of_range_slot_itself(gen):
             kv_block_stride_bytes=4 * D * 4, indices=ptr(idx), topk=2, indices_stride=2,
             softmax_scale=0.1, out=ptr(out), out_stride_token=4 * D, out_stride_head=D,
             lse=ptr(lse), lse_stride_token=4)
+
+
+def test_e4m3_bit_move_model():
+    """The CUDA kernels' fast FP8 dequantisation (e4m3x2_as_bf16x2_shifted in sparse_mla.cu):
+    prmt with a sign-replicated byte, an arithmetic shift by 4 and a mask, modelled in int64 for
+    every pair of e4m3 codes and both byte placements, must give the bf16 bits of value * 2^-120
+    (then the kernel's exact multiply by a power of two restores the scale). The GPU tests check
+    the kernel itself; this pins the bit trick its comment relies on."""
+    codes = torch.arange(256, dtype=torch.int64)
+    lo, hi = codes.repeat_interleave(256), codes.repeat(256)
+    finite = ((lo & 0x7F) != 0x7F) & ((hi & 0x7F) != 0x7F)  # e4m3fn NaN codes excluded
+    lo, hi = lo[finite], hi[finite]
+
+    def expected(b):
+        v = b.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64) * 2.0**-120
+        return v.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+    for lo_byte, hi_byte in ((0, 1), (2, 3)):
+        word = (lo << (8 * lo_byte)) | (hi << (8 * hi_byte))
+        byte = lambda i: (word >> (8 * i)) & 0xFF  # noqa: E731
+        sign_rep = torch.where(byte(lo_byte) >= 0x80, 0xFF, 0)
+        a = (byte(hi_byte) << 24) | (sign_rep << 16) | (byte(lo_byte) << 8)  # prmt, byte 0 zero
+        a_signed = torch.where(a >= 2**31, a - 2**32, a)
+        out = (a_signed >> 4) & 0x87F087F0  # shr.s32 then the mask
+        assert torch.equal(out & 0xFFFF, expected(lo))
+        assert torch.equal((out >> 16) & 0xFFFF, expected(hi))
