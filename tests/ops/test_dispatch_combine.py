@@ -249,12 +249,17 @@ def test_cuda_combine_matches_cpu(gen, in_dtype, out_dtype, T, k, D):
 
 # The CUDA dispatch runs ONE cooperative kernel (routing + copy, G = min(T, #SMs) blocks) when
 # its tables fit in shared memory, else count / scan / place + gather;
-# ZEROINFER_DISPATCH_FUSED=0 forces the latter. Every case runs on both paths.
-PATHS = ["fused", "fallback"]
+# ZEROINFER_DISPATCH_FUSED=0 forces the latter. The fused kernel's uint8 count table (a block
+# owns <= 255 entries) and its balanced copy split (a block's range may end inside the next
+# block's first token) have switches too: "fused-wide" forces the int32 table, "fused-tokens"
+# the copy by whole tokens. Every case runs on every path.
+PATHS = ["fused", "fused-wide", "fused-tokens", "fallback"]
 
 
 def set_path(monkeypatch, path):
-    monkeypatch.setenv("ZEROINFER_DISPATCH_FUSED", "1" if path == "fused" else "0")
+    monkeypatch.setenv("ZEROINFER_DISPATCH_FUSED", "0" if path == "fallback" else "1")
+    monkeypatch.setenv("ZEROINFER_DISPATCH_NARROW", "0" if path == "fused-wide" else "1")
+    monkeypatch.setenv("ZEROINFER_DISPATCH_BALANCE", "0" if path == "fused-tokens" else "1")
 
 
 @pytest.mark.gpu
@@ -272,6 +277,10 @@ def set_path(monkeypatch, path):
     (5, 4, 3000, 8, 0.0),       # tables too large for the fused kernel: fallback either way
     (4000, 6, 64, 16, 1.0),     # everything dropped
     (1500, 1, 3, 1, 0.0),       # k = 1, tile = 1, few experts
+    (203, 6, 256, 64, 0.05),    # 1-2 tokens per block (132 SMs): copy ranges split tokens
+    (6732, 5, 256, 64, 0.0),    # 51 tokens x 5 = 255 entries per block: uint8 table at its limit
+    (4224, 8, 256, 64, 0.0),    # 32 x 8 = 256 entries per block: the int32 table
+    (6000, 8, 128, 16, 0.1),    # 46 x 8 = 368 entries per block: the int32 table
 ])
 def test_cuda_dispatch_routing_paths(gen, monkeypatch, path, ids_dtype, T, k, E, tile, drop):
     set_path(monkeypatch, path)
@@ -286,7 +295,8 @@ def test_cuda_dispatch_routing_paths(gen, monkeypatch, path, ids_dtype, T, k, E,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("T", [0, 1, 300])
+# 5544 = 132 x 42 tokens: 252 entries of one expert per block, the uint8 table near its limit
+@pytest.mark.parametrize("T", [0, 1, 300, 5544])
 def test_cuda_dispatch_skewed_paths(gen, monkeypatch, path, T):
     set_path(monkeypatch, path)
     k, E, tile, D = 6, 256, 64, 520
@@ -311,9 +321,10 @@ def test_cuda_dispatch_skewed_paths(gen, monkeypatch, path, T):
     (torch.bfloat16, 7168, 0),      # V4 hidden size: 2 pieces
     (torch.float8_e4m3fn, 4097, 0),  # 1-byte vectors, 4097 per row: several copy batches
 ])
-def test_cuda_dispatch_gather_vector_widths(gen, monkeypatch, path, dtype, D, offset):
+@pytest.mark.parametrize("T", [37, 203])  # one token per block; copy ranges that split tokens
+def test_cuda_dispatch_gather_vector_widths(gen, monkeypatch, path, dtype, D, offset, T):
     set_path(monkeypatch, path)
-    T, k, E, tile = 37, 6, 16, 8
+    k, E, tile = 6, 16, 8
     base = random_x(gen, T * D + offset, 1, dtype).view(-1)
     x = base[offset:].view(T, D)
     ids = random_ids(gen, T, k, E, drop=0.1)
