@@ -195,6 +195,17 @@ __device__ __forceinline__ void narrow_totals(const uint4* table, int G, int b, 
   }
 }
 
+// One copy batch of a thread: items base, base + kFusedThreads, .. below end (all in flight).
+template <typename V>
+__device__ __forceinline__ void fused_load_batch(V (&vals)[kFusedUnroll], const V* __restrict__ src,
+                                                 unsigned base, unsigned end) {
+#pragma unroll
+  for (int u = 0; u < kFusedUnroll; ++u) {
+    const unsigned it = base + u * kFusedThreads;
+    if (it < end) vals[u] = __ldg(src + it);
+  }
+}
+
 template <typename V>
 __global__ void __launch_bounds__(kFusedThreads, 1)
 dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sorted_x) {
@@ -229,19 +240,18 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
   }
   __syncthreads();
   // The copy's first batch goes into registers now and lands while the routing runs (its latency
-  // leaves the critical chain); the next kFusedPrefetch bytes travel to L2 meanwhile.
+  // leaves the critical chain); the next kFusedPrefetch bytes travel to L2 meanwhile. Not in
+  // warp 0: it runs the grid barrier's fence (thread 0), and a fence may wait for the warp's
+  // loads in flight, which would put x's DRAM latency back in front of the barrier.
   V vals[kFusedUnroll];
-#pragma unroll
-  for (int u = 0; u < kFusedUnroll; ++u) {
-    const unsigned it = c0 + tid + u * kFusedThreads;
-    if (it < c1) vals[u] = __ldg(src + it);
-  }
-  {
+  if (warp != 0) fused_load_batch(vals, src, c0 + tid, c1);
+  if (warp != 0) {
     const char* p = reinterpret_cast<const char*>(src);
     const int64_t first = (static_cast<int64_t>(c0) + kFusedThreads * kFusedUnroll) * sizeof(V);
     const int64_t end = min(static_cast<int64_t>(c1) * static_cast<int64_t>(sizeof(V)),
                             first + kFusedPrefetch);
-    for (int64_t o = first + static_cast<int64_t>(tid) * 128; o < end; o += kFusedThreads * 128)
+    for (int64_t o = first + static_cast<int64_t>(tid - 32) * 128; o < end;
+         o += (kFusedThreads - 32) * 128)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
   }
   // Warp w owns entries [s0, s1): whole 32-entry steps, in entry order across warps.
@@ -359,8 +369,9 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
   }
   __syncthreads();
   // Copy: item = (local token, vector); x read once, stored to the token's k rows. The first
-  // batch is already in registers; each later one is loaded, then stored.
+  // batch is already in registers (warp 0: loaded now); each later one is loaded, then stored.
   const unsigned rv = static_cast<unsigned>(row_vecs);
+  if (warp == 0) fused_load_batch(vals, src, c0 + tid, c1);
   for (unsigned base = c0 + tid;;) {
 #pragma unroll
     for (int u = 0; u < kFusedUnroll; ++u) {
@@ -374,11 +385,7 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     }
     base += kFusedThreads * kFusedUnroll;
     if (base >= c1) break;
-#pragma unroll
-    for (int u = 0; u < kFusedUnroll; ++u) {
-      const unsigned it = base + u * kFusedThreads;
-      if (it < c1) vals[u] = __ldg(src + it);
-    }
+    fused_load_batch(vals, src, base, c1);
   }
   // Index outputs, padding and tail: posted stores that nothing in this kernel reads back, issued
   // after the copy so that they never queue in front of its first stores.
