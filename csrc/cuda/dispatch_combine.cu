@@ -19,9 +19,12 @@
 //   5. the block copies an equal share of the T x row items (x read once, kFusedUnroll vectors
 //      per thread in flight, stored to the token's k rows): the share may start inside its first
 //      token and end inside the next block's first token, whose rows step 4 ranked as well, so
-//      no block waits on another. No second barrier.
+//      no block waits on another; the split points inside a token are rounded down to 32
+//      vectors, so that warp accesses stay line-aligned. No second barrier.
 //   6. posted stores last: token_row / row_token, counts / offsets and padding rows of its slice
 //      of experts, its share of the unused tail (row_token = -1).
+//   Every step that differs from main's kernel (6d59f11) has a run-time A/B switch
+//   (ZEROINFER_DISPATCH_*, listed above env_level; FusedArgs carries them).
 //  Fallback (E too large for the fused tables, or ZEROINFER_DISPATCH_FUSED=0): count / scan /
 //   place over kChunk-entry chunks, then gather_rows_kernel:
 //   1. count: per-chunk expert counts into workspace[e][chunk] (expert-major), row_token := -1;
@@ -63,6 +66,8 @@ constexpr int kFusedUnroll = 8;            // copy: vectors loaded per thread be
 constexpr int kFusedMaxBlocks = 1024;      // bounds the [G][E] count table in the workspace
 constexpr int kFusedMaxEntries = 16384;    // (token, slot) entries one block may own
 constexpr int64_t kFusedPrefetch = 128 * 1024;  // x bytes per block prefetched into L2
+constexpr unsigned kBalanceQuantum = 32;   // balanced split points: multiples of a warp's items
+static_assert(kFusedUnroll * 4 == 32, "early = 2: warp 1's lanes = (batch vector, 128-B piece)");
 constexpr size_t kSmemLimit = 48 * 1024;
 constexpr int kGatherThreads = 128;
 constexpr int kGatherUnroll = 4;           // vectors per thread, all loaded before storing
@@ -118,11 +123,22 @@ size_t fused_smem(int num_experts, int max_entries) {
 // Bytes of one block's row in the narrow count table: one uint8 per expert, rows uint4-aligned.
 __host__ __device__ inline int narrow_row_bytes(int num_experts) { return (num_experts + 15) / 16 * 16; }
 
+// The A/B switches (host: ZEROINFER_DISPATCH_*, see env_level) travel as kernel parameters; the
+// defaults are the fastest configuration we know of. Main's kernel (6d59f11) is narrow = 0,
+// batch = 0, solo = 0, balance = 0, early = 0, late = 0 (prefetch on).
 struct FusedArgs {
   const void* ids;
   bool is64;
-  bool narrow;   // count table of uint8 (every block owns <= 255 entries, G * 255 <= 65535)
-  bool balance;  // copy split into equal item ranges (else: each block copies its own tokens)
+  bool narrow;    // count table of uint8 (every block owns <= 255 entries, G * 255 <= 65535)
+  bool batch;     // int32 table: rows read in batches of independent loads (else main's loop)
+  bool solo;      // one block: no table, no grid barrier (else the G = 1 table + barrier)
+  bool late;      // index outputs, padding and tail stored after the copy (else before it)
+  bool prefetch;  // x prefetched into L2 before the routing
+  int balance;    // copy split: 0 whole tokens, 1 equal item ranges, 2 the same rounded to
+                  // kBalanceQuantum vectors (warp accesses stay line-aligned)
+  int early;      // 0: main (prefetch from the first copy item, all warps, before the ids);
+                  // 1: first batch into registers early (not warp 0), prefetch of the next
+                  //    kFusedPrefetch bytes; 2: as 1, and warp 0's first batch prefetched too
   int64_t num_tokens;
   int topk, num_experts, tile;
   int64_t capacity;
@@ -146,7 +162,7 @@ __device__ __forceinline__ void fold_half(uint32_t (&acc)[16], int lane, int off
 }
 
 constexpr int kNarrowRowBatch = 8;
-constexpr int kWideRowBatch = 8;    // int32 table rows per thread loaded before summing  // table rows per lane loaded before summing (G <= 256: one trip)
+constexpr int kWideRowBatch = 8;    // int32 table rows per thread loaded before summing
 
 // Narrow table -> s_tot[e] (all blocks) and s_bef[e] (blocks before b). Warp w sums uint4
 // column q = w, w + 16, ..: lane l reads rows l, l + 32, ..; 16 experts per column are summed in
@@ -224,35 +240,62 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
   const int64_t n0 = t0 * k;
   // With the balanced copy split the block also needs the rows of token t1 (the next block's
   // first): its ids follow this block's in ent (ne_all - ne = k entries, or none).
-  const int ne_all = ne + (a.balance && b + 1 < G ? k : 0);
-  for (int i = tid; i < kFusedWarps * E; i += kFusedThreads) cnt[i] = 0;
-  // ids first, alone: they head the critical chain, so no x traffic is queued in front of them.
-  for (int i = tid; i < ne_all; i += kFusedThreads) ent[i] = load_id(a.ids, a.is64, n0 + i);
+  const int ne_all = ne + (a.balance != 0 && b + 1 < G ? k : 0);
   // The copy's share: items (token, vector) [c0, c1) counted from x[t0]. Balanced, every block
   // copies the same number of items (+-1) however T splits over G: the range may start inside
   // token t0 and end inside token t1. T*b = t0*G + r, so items*b/G = t0*row_vecs + r*row_vecs/G.
+  // balance = 2 rounds the offset inside the token down to kBalanceQuantum vectors (a function of
+  // (t0, r) only, so block b's end is block b + 1's start): with row_vecs a multiple of 32 every
+  // warp's 32 items then stay inside one row at a 32-vector boundary. Unrounded, they start at
+  // any vector: each warp store of 512 B touches 5 lines instead of 4 (2 of them partial).
   const V* src = x + t0 * row_vecs;
   unsigned c0 = 0, c1 = static_cast<unsigned>(ntok) * static_cast<unsigned>(row_vecs);
-  if (a.balance) {
+  if (a.balance != 0) {
     const int64_t r0 = a.num_tokens * b - t0 * G, r1 = a.num_tokens * (b + 1) - t1 * G;
-    c0 = static_cast<unsigned>(div_nonneg(r0 * row_vecs, G));
-    c1 = static_cast<unsigned>(ntok * static_cast<int64_t>(row_vecs) + div_nonneg(r1 * row_vecs, G));
+    const unsigned mask = a.balance == 2 ? ~(kBalanceQuantum - 1) : ~0u;
+    c0 = static_cast<unsigned>(div_nonneg(r0 * row_vecs, G)) & mask;
+    c1 = static_cast<unsigned>(ntok * static_cast<int64_t>(row_vecs) +
+                               (static_cast<unsigned>(div_nonneg(r1 * row_vecs, G)) & mask));
   }
+  const char* xbytes = reinterpret_cast<const char*>(src);
+  const int64_t xend = static_cast<int64_t>(c1) * static_cast<int64_t>(sizeof(V));
+  if (a.early == 0 && a.prefetch) {  // main: the first kFusedPrefetch bytes, all warps, first
+    const int64_t first = static_cast<int64_t>(c0) * sizeof(V);
+    const int64_t end = min(xend, first + kFusedPrefetch);
+    for (int64_t o = first + static_cast<int64_t>(tid) * 128; o < end; o += kFusedThreads * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(xbytes + o));
+  }
+  for (int i = tid; i < kFusedWarps * E; i += kFusedThreads) cnt[i] = 0;
+  // ids first, alone: they head the critical chain, so no x traffic is queued in front of them.
+  for (int i = tid; i < ne_all; i += kFusedThreads) ent[i] = load_id(a.ids, a.is64, n0 + i);
   __syncthreads();
-  // The copy's first batch goes into registers now and lands while the routing runs (its latency
-  // leaves the critical chain); the next kFusedPrefetch bytes travel to L2 meanwhile. Not in
-  // warp 0: it runs the grid barrier's fence (thread 0), and a fence may wait for the warp's
-  // loads in flight, which would put x's DRAM latency back in front of the barrier.
+  // early != 0: the copy's first batch goes into registers now and lands while the routing runs
+  // (its latency leaves the critical chain); the next kFusedPrefetch bytes travel to L2 meanwhile.
+  // Not in warp 0: it runs the grid barrier's fence (thread 0), and a fence may wait for the
+  // warp's loads in flight, which would put x's DRAM latency back in front of the barrier.
+  // early = 2: warp 1 prefetches warp 0's first batch into L2 instead (session 5 left it out,
+  // so warp 0 met DRAM latency after the routing, where main's prefetch had it in L2).
   V vals[kFusedUnroll];
-  if (warp != 0) fused_load_batch(vals, src, c0 + tid, c1);
-  if (warp != 0) {
-    const char* p = reinterpret_cast<const char*>(src);
-    const int64_t first = (static_cast<int64_t>(c0) + kFusedThreads * kFusedUnroll) * sizeof(V);
-    const int64_t end = min(static_cast<int64_t>(c1) * static_cast<int64_t>(sizeof(V)),
-                            first + kFusedPrefetch);
-    for (int64_t o = first + static_cast<int64_t>(tid - 32) * 128; o < end;
-         o += (kFusedThreads - 32) * 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+  if (a.early != 0 && warp != 0) {
+    fused_load_batch(vals, src, c0 + tid, c1);
+    if (a.prefetch) {
+      const int64_t first = (static_cast<int64_t>(c0) + kFusedThreads * kFusedUnroll) * sizeof(V);
+      const int64_t end = min(xend, first + kFusedPrefetch);
+      for (int64_t o = first + static_cast<int64_t>(tid - 32) * 128; o < end;
+           o += (kFusedThreads - 32) * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(xbytes + o));
+      if (a.early == 2 && warp == 1) {  // lane: (vector batch u, 128-byte piece)
+        const unsigned it = c0 + (lane & (kFusedUnroll - 1)) * kFusedThreads;
+        const int64_t piece = (lane / kFusedUnroll) * 128;
+        if (it < c1) {
+          const int64_t cb = static_cast<int64_t>(min(32u, c1 - it)) * sizeof(V);
+          const char* p = xbytes + static_cast<int64_t>(it) * sizeof(V);
+          if (piece < cb) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + piece));
+          if (piece == 3 * 128 && cb > 3 * 128)  // the 5th line of a misaligned 512 bytes
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p + cb - 1));
+        }
+      }
+    }
   }
   // Warp w owns entries [s0, s1): whole 32-entry steps, in entry order across warps.
   const int seg = (ne + kFusedWarps * 32 - 1) / (kFusedWarps * 32) * 32;
@@ -268,7 +311,7 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
   __syncthreads();
   // Per-warp exclusive prefixes; the block's counts go to its table row (one block: straight to
   // the totals, no table and no grid barrier). Warp-uniform loop: the narrow packing shuffles.
-  const bool solo = G == 1;
+  const bool solo = G == 1 && a.solo;
   const int row_len = a.narrow ? narrow_row_bytes(E) : Ep;  // table entries per block
   for (int base = warp * 32; base < row_len; base += kFusedThreads) {
     const int e = base + lane;
@@ -311,7 +354,15 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
       for (int idx = tid; idx < Q * NG; idx += kFusedThreads) {
         const int q = idx % Q, g = idx / Q;
         int4 tot = make_int4(0, 0, 0, 0), bef = tot;
-        for (int r0 = g; r0 < G; r0 += NG * kWideRowBatch) {
+        if (!a.batch) {  // main's loop: one dependent L2 round trip per row (17 at G = 132)
+#pragma unroll 8
+          for (int bb = g; bb < G; bb += NG) {
+            const int4 v = __ldcg(table + static_cast<int64_t>(bb) * Q + q);
+            tot = tot + v;
+            if (bb < b) bef = bef + v;
+          }
+        }
+        for (int r0 = a.batch ? g : G; r0 < G; r0 += NG * kWideRowBatch) {
           int4 v[kWideRowBatch];
 #pragma unroll
           for (int u = 0; u < kWideRowBatch; ++u) {
@@ -350,13 +401,39 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     off += pad_to(s_tot[e], a.tile);
   }
   __syncthreads();
+  // This block's slice of the experts: counts, offsets and padding rows; its share of the tail.
+  // Posted stores that nothing in this kernel reads back: late (default) issues them after the
+  // copy so that they never queue in front of its first stores; else here, as main did.
+  const auto fills = [&]() {
+    const int es0 = static_cast<int>(static_cast<int64_t>(E) * b / G);
+    const int es1 = static_cast<int>(static_cast<int64_t>(E) * (b + 1) / G);
+    for (int e = es0 + tid; e < es1; e += kFusedThreads) {
+      a.expert_counts[e] = s_tot[e];
+      a.expert_offsets[e] = s_off[e];
+    }
+    if (b == G - 1 && tid == 0) a.expert_offsets[E] = total;
+    for (int e = es0 + warp; e < es1; e += kFusedWarps) {
+      const int used = s_off[e] + s_tot[e], end = s_off[e] + pad_to(s_tot[e], a.tile);
+      for (int r = used + lane; r < end; r += 32) a.row_token[r] = -1;
+    }
+    for (int64_t r = total + static_cast<int64_t>(b) * kFusedThreads + tid; r < a.capacity;
+         r += static_cast<int64_t>(G) * kFusedThreads)
+      a.row_token[r] = -1;
+  };
+  if (!a.late) fills();
   for (int i = tid; i < nw * E; i += kFusedThreads) cnt[i] += s_base[i % E];
   __syncthreads();
-  // Rank: the rows go to shared memory only; the index outputs are written after the copy.
+  // Rank: the rows go to shared memory (late: the index outputs are written after the copy).
   for (int s = s0; s < s1; s += 32) {
     const int i = s + lane;
     const int row = rank_step(i < s1 ? ent[i] : -1, lane, mine);
-    if (i < s1) ent[i] = row;
+    if (i < s1) {
+      ent[i] = row;
+      if (!a.late) {
+        a.token_row[n0 + i] = row;
+        if (row >= 0) a.row_token[row] = static_cast<int32_t>(t0 + i / k);
+      }
+    }
   }
   // The last owning warp's cursors now stand at the next block's first rows: it ranks the extra
   // token (rows for the copy only; block b + 1 ranks and publishes the same rows itself).
@@ -368,10 +445,11 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     }
   }
   __syncthreads();
-  // Copy: item = (local token, vector); x read once, stored to the token's k rows. The first
-  // batch is already in registers (warp 0: loaded now); each later one is loaded, then stored.
+  // Copy: item = (local token, vector); x read once, stored to the token's k rows. early: the
+  // first batch is already in registers (warp 0: loaded now); else every warp loads it now (then
+  // the loop is main's: load a batch, store it, instruction for instruction the same SASS).
   const unsigned rv = static_cast<unsigned>(row_vecs);
-  if (warp == 0) fused_load_batch(vals, src, c0 + tid, c1);
+  if (a.early == 0 || warp == 0) fused_load_batch(vals, src, c0 + tid, c1);
   for (unsigned base = c0 + tid;;) {
 #pragma unroll
     for (int u = 0; u < kFusedUnroll; ++u) {
@@ -387,28 +465,14 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     if (base >= c1) break;
     fused_load_batch(vals, src, base, c1);
   }
-  // Index outputs, padding and tail: posted stores that nothing in this kernel reads back, issued
-  // after the copy so that they never queue in front of its first stores.
-  for (int i = tid; i < ne; i += kFusedThreads) {
-    const int row = ent[i];
-    a.token_row[n0 + i] = row;
-    if (row >= 0) a.row_token[row] = static_cast<int32_t>(t0 + i / k);
+  if (a.late) {
+    for (int i = tid; i < ne; i += kFusedThreads) {
+      const int row = ent[i];
+      a.token_row[n0 + i] = row;
+      if (row >= 0) a.row_token[row] = static_cast<int32_t>(t0 + i / k);
+    }
+    fills();
   }
-  // This block's slice of the experts: counts, offsets and padding rows; its share of the tail.
-  const int es0 = static_cast<int>(static_cast<int64_t>(E) * b / G);
-  const int es1 = static_cast<int>(static_cast<int64_t>(E) * (b + 1) / G);
-  for (int e = es0 + tid; e < es1; e += kFusedThreads) {
-    a.expert_counts[e] = s_tot[e];
-    a.expert_offsets[e] = s_off[e];
-  }
-  if (b == G - 1 && tid == 0) a.expert_offsets[E] = total;
-  for (int e = es0 + warp; e < es1; e += kFusedWarps) {
-    const int used = s_off[e] + s_tot[e], end = s_off[e] + pad_to(s_tot[e], a.tile);
-    for (int r = used + lane; r < end; r += 32) a.row_token[r] = -1;
-  }
-  for (int64_t r = total + static_cast<int64_t>(b) * kFusedThreads + tid; r < a.capacity;
-       r += static_cast<int64_t>(G) * kFusedThreads)
-    a.row_token[r] = -1;
 }
 
 // ---- large batches: count / scan / place ------------------------------------------------------
@@ -694,14 +758,29 @@ DeviceLimits device_limits() {
   return d;
 }
 
-// Switches for tests and A/B runs (read per call: tests flip them between calls), default on:
-//  ZEROINFER_DISPATCH_FUSED=0    the count / scan / place + gather path instead of the fused kernel;
-//  ZEROINFER_DISPATCH_NARROW=0   the fused kernel's int32 count table even where uint8 fits;
-//  ZEROINFER_DISPATCH_BALANCE=0  the fused copy split by whole tokens (block b copies its own).
-bool env_on(const char* name) {
+// Switches for tests and A/B runs (read per call: tests flip them between calls). Unset = the
+// default; each value below is main's behaviour (6d59f11) for that part of the fused kernel:
+//  ZEROINFER_DISPATCH_FUSED=0     the count / scan / place + gather path instead of the fused kernel;
+//  ZEROINFER_DISPATCH_NARROW=0    the int32 count table even where uint8 fits;
+//  ZEROINFER_DISPATCH_BATCH=0     the int32 table read one dependent row at a time (main's loop);
+//  ZEROINFER_DISPATCH_SOLO=0      one block still writes the table and passes the grid barrier;
+//  ZEROINFER_DISPATCH_BALANCE=0   the copy split by whole tokens (block b copies its own); =1 equal
+//                                 item ranges at any vector (session 5); default 2: rounded to
+//                                 kBalanceQuantum vectors;
+//  ZEROINFER_DISPATCH_EARLY=0     no early register loads, L2 prefetch from the first copy item by
+//                                 all warps (main); =1 session 5 (warps 1-15 load their first
+//                                 batch early, prefetch of the next 128 KB); default 2: as 1 plus
+//                                 warp 0's first batch prefetched into L2;
+//  ZEROINFER_DISPATCH_PREFETCH=0  no L2 prefetch of x at all (not main: main prefetched);
+//  ZEROINFER_DISPATCH_LATE=0      index outputs, padding and tail stored before the copy (main).
+// Main's kernel: NARROW=0 BATCH=0 SOLO=0 BALANCE=0 EARLY=0 LATE=0. Session 5 as measured on the
+// H200: BALANCE=1 EARLY=1.
+int env_level(const char* name, int dflt) {
   const char* v = std::getenv(name);
-  return v == nullptr || v[0] != '0';
+  if (v == nullptr || v[0] == '\0') return dflt;
+  return v[0] >= '0' && v[0] <= '9' ? v[0] - '0' : dflt;
 }
+bool env_on(const char* name) { return env_level(name, 1) != 0; }
 bool fused_allowed() { return env_on("ZEROINFER_DISPATCH_FUSED"); }
 
 int64_t fused_workspace_bytes(int64_t num_tokens, int64_t num_experts) {
@@ -739,7 +818,12 @@ bool try_fused(const MoeDispatchParams& p, int64_t row_bytes, void* workspace, c
   FusedArgs args{p.topk_ids,
                  p.ids_dtype == DType::kInt64,
                  narrow,
-                 env_on("ZEROINFER_DISPATCH_BALANCE"),
+                 env_on("ZEROINFER_DISPATCH_BATCH"),
+                 env_on("ZEROINFER_DISPATCH_SOLO"),
+                 env_on("ZEROINFER_DISPATCH_LATE"),
+                 env_on("ZEROINFER_DISPATCH_PREFETCH"),
+                 std::min(env_level("ZEROINFER_DISPATCH_BALANCE", 2), 2),
+                 std::min(env_level("ZEROINFER_DISPATCH_EARLY", 2), 2),
                  p.num_tokens,
                  static_cast<int>(p.topk),
                  num_experts,

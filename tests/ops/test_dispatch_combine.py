@@ -249,17 +249,38 @@ def test_cuda_combine_matches_cpu(gen, in_dtype, out_dtype, T, k, D):
 
 # The CUDA dispatch runs ONE cooperative kernel (routing + copy, G = min(T, #SMs) blocks) when
 # its tables fit in shared memory, else count / scan / place + gather;
-# ZEROINFER_DISPATCH_FUSED=0 forces the latter. The fused kernel's uint8 count table (a block
-# owns <= 255 entries) and its balanced copy split (a block's range may end inside the next
-# block's first token) have switches too: "fused-wide" forces the int32 table, "fused-tokens"
-# the copy by whole tokens. Every case runs on every path.
-PATHS = ["fused", "fused-wide", "fused-tokens", "fallback"]
+# ZEROINFER_DISPATCH_FUSED=0 forces the latter. Every part of the fused kernel that differs from
+# main's (6d59f11) has an A/B switch (dispatch_combine.cu, above env_level); the paths below run
+# each non-default value at least once:
+#   fused          the defaults (uint8 table, rounded balanced split, early loads + warp-0 prefetch)
+#   fused-wide     the int32 table (batched reads)
+#   fused-tokens   the copy by whole tokens
+#   fused-s5       session 5 as measured: unrounded balanced split, warp 0 not prefetched
+#   fused-main     main's kernel: int32 table read row by row, table + barrier at G = 1, whole
+#                  tokens, no early loads (main's prefetch), index outputs before the copy
+#   fused-mix      the other values against the defaults: no prefetch at all, no early loads,
+#                  stores before the copy, G = 1 through the table; with the balanced split
+#   fallback       count / scan / place + gather
+# Every case runs on every path.
+SWITCHES = ["FUSED", "NARROW", "BATCH", "SOLO", "BALANCE", "EARLY", "PREFETCH", "LATE"]
+PATH_ENV = {
+    "fused": {},
+    "fused-wide": {"NARROW": "0"},
+    "fused-tokens": {"BALANCE": "0"},
+    "fused-s5": {"BALANCE": "1", "EARLY": "1"},
+    "fused-main": {"NARROW": "0", "BATCH": "0", "SOLO": "0", "BALANCE": "0", "EARLY": "0",
+                   "LATE": "0"},
+    "fused-mix": {"EARLY": "0", "PREFETCH": "0", "LATE": "0", "SOLO": "0"},
+    "fallback": {"FUSED": "0"},
+}
+PATHS = list(PATH_ENV)
 
 
 def set_path(monkeypatch, path):
-    monkeypatch.setenv("ZEROINFER_DISPATCH_FUSED", "0" if path == "fallback" else "1")
-    monkeypatch.setenv("ZEROINFER_DISPATCH_NARROW", "0" if path == "fused-wide" else "1")
-    monkeypatch.setenv("ZEROINFER_DISPATCH_BALANCE", "0" if path == "fused-tokens" else "1")
+    for name in SWITCHES:
+        monkeypatch.delenv("ZEROINFER_DISPATCH_" + name, raising=False)
+    for name, value in PATH_ENV[path].items():
+        monkeypatch.setenv("ZEROINFER_DISPATCH_" + name, value)
 
 
 @pytest.mark.gpu

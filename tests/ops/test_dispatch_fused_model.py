@@ -2,7 +2,8 @@
 checked against the float64 reference on the CPU: the block / warp split of the entries, the
 uint8 count table with its 16-bit packed sums and warp reduce-scatter, the int32 table, the
 one-block path, the balanced copy split (a block's copy range may end inside the next block's
-first token, whose rows it ranks itself) and the padding / tail fills.
+first token, whose rows it ranks itself; unrounded or rounded to 32 vectors) and the padding /
+tail fills.
 
 It cannot see scheduling or memory-ordering bugs (the GPU tests in test_dispatch_combine.py do);
 it pins the arithmetic that decides which row every (token, slot, vector) lands in, so that a
@@ -21,6 +22,7 @@ from zeroinfer.ops.dispatch_combine import moe_dispatch_capacity
 
 WARPS, LANES, THREADS = 16, 32, 512  # kFusedWarps, warp size, kFusedThreads
 ROW_BATCH = 8                         # kNarrowRowBatch
+QUANTUM = 32                          # kBalanceQuantum
 M32 = 0xFFFFFFFF
 
 
@@ -92,7 +94,8 @@ def narrow_totals(table, G, b, E):
 
 
 def model_fused(ids, E, tile, rv, G, narrow, balance):
-    """Outputs of one dispatch_fused_kernel launch; `written[(row, v)]` = source token."""
+    """Outputs of one dispatch_fused_kernel launch; `written[(row, v)]` = source token.
+    balance: 0 whole tokens, 1 equal item ranges, 2 the same rounded to QUANTUM vectors."""
     T, k = len(ids), len(ids[0]) if ids else 0
     flat = [e for row in ids for e in row]
     cap = moe_dispatch_capacity(T, k, E, tile)
@@ -164,6 +167,12 @@ def model_fused(ids, E, tile, rv, G, narrow, balance):
             r0, r1 = T * b - t0 * G, T * (b + 1) - t1 * G
             c0, c1 = r0 * rv // G, ntok * rv + r1 * rv // G
             assert T * rv * b // G == t0 * rv + c0 and T * rv * (b + 1) // G == t0 * rv + c1
+            if balance == 2:  # the offset inside the token, rounded down (warp-aligned accesses)
+                c0 = c0 // QUANTUM * QUANTUM
+                c1 = ntok * rv + (r1 * rv // G) // QUANTUM * QUANTUM
+                assert 0 <= c0 < max(rv, 1) and c0 <= c1
+                if rv % QUANTUM == 0:  # every warp's 32 items in one row, 32-vector aligned
+                    assert c0 % QUANTUM == 0 and c1 % QUANTUM == 0
         assert c1 <= len(ent) // k * rv if k else True  # never reads past the ranked tokens
         shares.append(c1 - c0)
         for it in range(c0, c1):
@@ -206,12 +215,13 @@ def check(T, k, E, tile, rv, sms, narrow, balance, drop, seed, skew=False):
     assert got["row_token"] == ref_row_token.tolist()
     want = {(r, v): t for r, t in enumerate(ref_row_token.tolist()) if t >= 0 for v in range(rv)}
     assert got["written"] == want
-    if balance:  # equal shares (+-1) of the T * rv items
-        assert max(got["shares"]) - min(got["shares"]) <= 1 and sum(got["shares"]) == T * rv
+    if balance:  # equal shares (+-1; rounded: each end moves by < QUANTUM) of the T * rv items
+        slack = 1 if balance == 1 else 2 * QUANTUM - 1
+        assert max(got["shares"]) - min(got["shares"]) <= slack and sum(got["shares"]) == T * rv
 
 
 @pytest.mark.parametrize("narrow", [True, False])
-@pytest.mark.parametrize("balance", [True, False])
+@pytest.mark.parametrize("balance", [0, 1, 2])
 @pytest.mark.parametrize("T,k,E,tile,rv,sms,drop", [
     (1, 6, 256, 64, 5, 132, 0.0),     # one block: no table, no barrier
     (2, 6, 256, 64, 3, 132, 0.0),
@@ -221,6 +231,9 @@ def check(T, k, E, tile, rv, sms, narrow, balance, drop, seed, skew=False):
     (90, 4, 300, 8, 6, 7, 0.2),       # several uint4 columns per warp (Qn = 19 > 16 warps)
     (300, 1, 3, 1, 2, 11, 0.0),       # k = 1, tile = 1
     (61, 9, 17, 4, 1, 5, 0.3),        # k = 9, one vector per row
+    (203, 6, 256, 64, 128, 132, 0.05),  # rv a multiple of 32: rounded split points, 1-2 tokens a block
+    (530, 6, 64, 64, 96, 132, 0.0),   # rv a multiple of 32, several tokens a block
+    (77, 3, 16, 8, 45, 10, 0.1),      # rv not a multiple of 32: rounding still consistent
     (40, 5, 64, 64, 11, 3, 1.0),      # everything dropped
 ])
 def test_fused_model_matches_reference(narrow, balance, T, k, E, tile, rv, sms, drop):
@@ -230,7 +243,7 @@ def test_fused_model_matches_reference(narrow, balance, T, k, E, tile, rv, sms, 
 def test_fused_model_narrow_limits():
     # 255 entries in a block (uint8 counts at their limit), all to one expert; expert totals near
     # the 16-bit packed-sum limit: 257 blocks x 255 = 65535.
-    check(T=257 * 51, k=5, E=20, tile=64, rv=1, sms=257, narrow=True, balance=True, drop=0.0,
+    check(T=257 * 51, k=5, E=20, tile=64, rv=1, sms=257, narrow=True, balance=2, drop=0.0,
           seed=1, skew=True)
 
 
@@ -243,5 +256,6 @@ def test_fused_model_random_shapes(seed):
     G = max(1, min(T, sms))
     ne_max = -(-T // G) * k
     narrow = ne_max <= 255 and G * ne_max <= 65535
-    check(T, k, E, rng.choice([1, 4, 64]), rng.randint(1, 12), sms, narrow, rng.random() < 0.8,
+    check(T, k, E, rng.choice([1, 4, 64]), rng.choice([rng.randint(1, 12), 32, 64, 100]), sms,
+          narrow, rng.choice([0, 1, 2, 2]),
           rng.choice([0.0, 0.1, 0.5]), seed=seed)
