@@ -447,7 +447,7 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
   __syncthreads();
   // Copy: item = (local token, vector); x read once, stored to the token's k rows. early: the
   // first batch is already in registers (warp 0: loaded now); else every warp loads it now (then
-  // the loop is main's: load a batch, store it, instruction for instruction the same SASS).
+  // the loop is main's: load a batch, store it; the same loop body in SASS).
   const unsigned rv = static_cast<unsigned>(row_vecs);
   if (a.early == 0 || warp == 0) fused_load_batch(vals, src, c0 + tid, c1);
   for (unsigned base = c0 + tid;;) {
