@@ -249,12 +249,38 @@ def test_cuda_combine_matches_cpu(gen, in_dtype, out_dtype, T, k, D):
 
 # The CUDA dispatch runs ONE cooperative kernel (routing + copy, G = min(T, #SMs) blocks) when
 # its tables fit in shared memory, else count / scan / place + gather;
-# ZEROINFER_DISPATCH_FUSED=0 forces the latter. Every case runs on both paths.
-PATHS = ["fused", "fallback"]
+# ZEROINFER_DISPATCH_FUSED=0 forces the latter. Every part of the fused kernel that differs from
+# main's (6d59f11) has an A/B switch (dispatch_combine.cu, above env_level); the paths below run
+# each non-default value at least once:
+#   fused          the defaults (uint8 table, rounded balanced split, early loads + warp-0 prefetch)
+#   fused-wide     the int32 table (batched reads)
+#   fused-tokens   the copy by whole tokens
+#   fused-s5       session 5 as measured: unrounded balanced split, warp 0 not prefetched
+#   fused-main     main's kernel: int32 table read row by row, table + barrier at G = 1, whole
+#                  tokens, no early loads (main's prefetch), index outputs before the copy
+#   fused-mix      the other values against the defaults: no prefetch at all, no early loads,
+#                  stores before the copy, G = 1 through the table; with the balanced split
+#   fallback       count / scan / place + gather
+# Every case runs on every path.
+SWITCHES = ["FUSED", "NARROW", "BATCH", "SOLO", "BALANCE", "EARLY", "PREFETCH", "LATE"]
+PATH_ENV = {
+    "fused": {},
+    "fused-wide": {"NARROW": "0"},
+    "fused-tokens": {"BALANCE": "0"},
+    "fused-s5": {"BALANCE": "1", "EARLY": "1"},
+    "fused-main": {"NARROW": "0", "BATCH": "0", "SOLO": "0", "BALANCE": "0", "EARLY": "0",
+                   "LATE": "0"},
+    "fused-mix": {"EARLY": "0", "PREFETCH": "0", "LATE": "0", "SOLO": "0"},
+    "fallback": {"FUSED": "0"},
+}
+PATHS = list(PATH_ENV)
 
 
 def set_path(monkeypatch, path):
-    monkeypatch.setenv("ZEROINFER_DISPATCH_FUSED", "1" if path == "fused" else "0")
+    for name in SWITCHES:
+        monkeypatch.delenv("ZEROINFER_DISPATCH_" + name, raising=False)
+    for name, value in PATH_ENV[path].items():
+        monkeypatch.setenv("ZEROINFER_DISPATCH_" + name, value)
 
 
 @pytest.mark.gpu
@@ -272,6 +298,10 @@ def set_path(monkeypatch, path):
     (5, 4, 3000, 8, 0.0),       # tables too large for the fused kernel: fallback either way
     (4000, 6, 64, 16, 1.0),     # everything dropped
     (1500, 1, 3, 1, 0.0),       # k = 1, tile = 1, few experts
+    (203, 6, 256, 64, 0.05),    # 1-2 tokens per block (132 SMs): copy ranges split tokens
+    (6732, 5, 256, 64, 0.0),    # 51 tokens x 5 = 255 entries per block: uint8 table at its limit
+    (4224, 8, 256, 64, 0.0),    # 32 x 8 = 256 entries per block: the int32 table
+    (6000, 8, 128, 16, 0.1),    # 46 x 8 = 368 entries per block: the int32 table
 ])
 def test_cuda_dispatch_routing_paths(gen, monkeypatch, path, ids_dtype, T, k, E, tile, drop):
     set_path(monkeypatch, path)
@@ -286,7 +316,8 @@ def test_cuda_dispatch_routing_paths(gen, monkeypatch, path, ids_dtype, T, k, E,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("T", [0, 1, 300])
+# 5544 = 132 x 42 tokens: 252 entries of one expert per block, the uint8 table near its limit
+@pytest.mark.parametrize("T", [0, 1, 300, 5544])
 def test_cuda_dispatch_skewed_paths(gen, monkeypatch, path, T):
     set_path(monkeypatch, path)
     k, E, tile, D = 6, 256, 64, 520
@@ -311,9 +342,10 @@ def test_cuda_dispatch_skewed_paths(gen, monkeypatch, path, T):
     (torch.bfloat16, 7168, 0),      # V4 hidden size: 2 pieces
     (torch.float8_e4m3fn, 4097, 0),  # 1-byte vectors, 4097 per row: several copy batches
 ])
-def test_cuda_dispatch_gather_vector_widths(gen, monkeypatch, path, dtype, D, offset):
+@pytest.mark.parametrize("T", [37, 203])  # one token per block; copy ranges that split tokens
+def test_cuda_dispatch_gather_vector_widths(gen, monkeypatch, path, dtype, D, offset, T):
     set_path(monkeypatch, path)
-    T, k, E, tile = 37, 6, 16, 8
+    k, E, tile = 6, 16, 8
     base = random_x(gen, T * D + offset, 1, dtype).view(-1)
     x = base[offset:].view(T, D)
     ids = random_ids(gen, T, k, E, drop=0.1)
