@@ -3,17 +3,16 @@
 // dispatch = routing (ids -> rows: a few hundred KB at most) + one bandwidth-bound gather.
 //  Fused path (dispatch_fused_kernel; whenever its tables fit in shared memory): ONE cooperative
 //   launch of G = min(T, #SMs) blocks, 512 threads, block b routing tokens [T*b/G, T*(b+1)/G):
-//   1. ids into shared memory (alone: nothing queued in front of them); then the block's first
-//      copy batch is loaded into registers and the next 128 KB of its x range prefetched into L2,
-//      both landing while the routing runs; each of 16 warps counts its contiguous run of
-//      (token, slot) entries per expert (__match_any_sync); per-warp exclusive prefixes; the
-//      block's per-expert counts -> workspace row b: uint8 counts when a block owns <= 255
-//      entries (the "narrow" table, 16-byte padded rows), else int32 (4-padded).
+//   1. ids into shared memory (alone: nothing queued in front of them); then warps 1-15 load the
+//      block's first copy batch into registers and prefetch the next 128 KB of its x range (and
+//      warp 0's first batch) into L2, all landing while the routing runs; each of 16 warps counts
+//      its contiguous run of (token, slot) entries per expert (__match_any_sync); per-warp
+//      exclusive prefixes; the block's per-expert counts -> workspace[b][E] (16-byte padded E).
 //   2. grid barrier (cooperative_groups grid sync: the only global synchronisation; skipped with
 //      one block, whose counts are the totals).
-//   3. every block reads the whole [G][E] table (L2-resident) for the expert totals and its own
-//      prefix over earlier blocks (narrow: one warp per 16-expert column, lanes over the blocks,
-//      16-bit packed sums, then a warp reduce-scatter) and scans the E tile-padded totals itself.
+//   3. every block reads the whole [G][E] count table (int4 loads, L2-resident, kTableBatch loads
+//      in flight per thread) for the expert totals and its own prefix over earlier blocks, and
+//      scans the E tile-padded totals itself.
 //   4. warps rank their runs (cursor = offset + earlier blocks + earlier warps) into shared
 //      memory; the last warp goes on with the next block's first token (balanced copy, below).
 //   5. the block copies an equal share of the T x row items (x read once, kFusedUnroll vectors
@@ -22,9 +21,8 @@
 //      no block waits on another; the split points inside a token are rounded down to 32
 //      vectors, so that warp accesses stay line-aligned. No second barrier.
 //   6. posted stores last: token_row / row_token, counts / offsets and padding rows of its slice
-//      of experts, its share of the unused tail (row_token = -1).
-//   Every step that differs from main's kernel (6d59f11) has a run-time A/B switch
-//   (ZEROINFER_DISPATCH_*, listed above env_level; FusedArgs carries them).
+//      of experts, its share of the unused tail (row_token = -1: spread over all SMs).
+//   H200 measurements and the variants tried: bench/results/h200/dispatch_combine_NOTES.md.
 //  Fallback (E too large for the fused tables, or ZEROINFER_DISPATCH_FUSED=0): count / scan /
 //   place over kChunk-entry chunks, then gather_rows_kernel:
 //   1. count: per-chunk expert counts into workspace[e][chunk] (expert-major), row_token := -1;
@@ -66,8 +64,9 @@ constexpr int kFusedUnroll = 8;            // copy: vectors loaded per thread be
 constexpr int kFusedMaxBlocks = 1024;      // bounds the [G][E] count table in the workspace
 constexpr int kFusedMaxEntries = 16384;    // (token, slot) entries one block may own
 constexpr int64_t kFusedPrefetch = 128 * 1024;  // x bytes per block prefetched into L2
-constexpr unsigned kBalanceQuantum = 32;   // balanced split points: multiples of a warp's items
-static_assert(kFusedUnroll * 4 == 32, "early = 2: warp 1's lanes = (batch vector, 128-B piece)");
+constexpr int kTableBatch = 8;             // count-table rows a thread loads before summing
+constexpr unsigned kBalanceQuantum = 32;   // copy split points inside a token: a warp's items
+static_assert(kFusedUnroll * 4 == 32, "warp 1's lanes = (warp 0's batch vector, 128-B piece)");
 constexpr size_t kSmemLimit = 48 * 1024;
 constexpr int kGatherThreads = 128;
 constexpr int kGatherUnroll = 4;           // vectors per thread, all loaded before storing
@@ -82,8 +81,8 @@ __device__ __forceinline__ int load_id(const void* ids, bool is64, int64_t i) {
 
 // n / d for n >= 0, d > 0: 32-bit division whenever n fits (the 64-bit one is a long routine).
 __device__ __forceinline__ int64_t div_nonneg(int64_t n, int d) {
-  return n <= 0xffffffffll ? static_cast<int64_t>(static_cast<uint32_t>(n) / static_cast<uint32_t>(d))
-                           : n / d;
+  if (n > 0xffffffffll) return n / d;
+  return static_cast<int64_t>(static_cast<uint32_t>(n) / static_cast<uint32_t>(d));
 }
 
 __device__ __forceinline__ int pad_to(int c, int tile) { return (c + tile - 1) / tile * tile; }
@@ -105,9 +104,9 @@ __device__ __forceinline__ int4 operator+(int4 a, int4 b) {
   return make_int4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
 
-// Shared memory (int32 units): red[2][NG][Ep] (int4-aligned, first; the wide table only),
-// cnt[kFusedWarps][E], s_base[E], s_off[E], s_tot[E], ent[max_entries + topk] (ids, then rows;
-// the extra topk hold the next block's first token for the balanced copy split).
+// Shared memory (int32 units): red[2][NG][Ep] (int4-aligned, first), cnt[kFusedWarps][E],
+// s_base[E], s_off[E], s_tot[E], ent[max_entries + topk] (ids, then rows; the extra topk hold
+// the next block's first token, which the balanced copy split may reach into).
 __host__ __device__ inline int fused_groups(int num_experts) {
   const int q = (num_experts + 3) / 4;  // int4 columns of the count table
   return q >= kFusedThreads ? 1 : kFusedThreads / q;
@@ -120,96 +119,15 @@ size_t fused_smem(int num_experts, int max_entries) {
          sizeof(int32_t);
 }
 
-// Bytes of one block's row in the narrow count table: one uint8 per expert, rows uint4-aligned.
-__host__ __device__ inline int narrow_row_bytes(int num_experts) { return (num_experts + 15) / 16 * 16; }
-
-// The A/B switches (host: ZEROINFER_DISPATCH_*, see env_level) travel as kernel parameters; the
-// defaults are the fastest configuration we know of. Main's kernel (6d59f11) is narrow = 0,
-// batch = 0, solo = 0, balance = 0, early = 0, late = 0 (prefetch on).
 struct FusedArgs {
   const void* ids;
   bool is64;
-  bool narrow;    // count table of uint8 (every block owns <= 255 entries, G * 255 <= 65535)
-  bool batch;     // int32 table: rows read in batches of independent loads (else main's loop)
-  bool solo;      // one block: no table, no grid barrier (else the G = 1 table + barrier)
-  bool late;      // index outputs, padding and tail stored after the copy (else before it)
-  bool prefetch;  // x prefetched into L2 before the routing
-  int balance;    // copy split: 0 whole tokens, 1 equal item ranges, 2 the same rounded to
-                  // kBalanceQuantum vectors (warp accesses stay line-aligned)
-  int early;      // 0: main (prefetch from the first copy item, all warps, before the ids);
-                  // 1: first batch into registers early (not warp 0), prefetch of the next
-                  //    kFusedPrefetch bytes; 2: as 1, and warp 0's first batch prefetched too
   int64_t num_tokens;
   int topk, num_experts, tile;
   int64_t capacity;
   int32_t *row_token, *token_row, *expert_counts, *expert_offsets;
-  int32_t* block_counts;  // workspace: [G][Ep] int32, or [G][narrow_row_bytes] uint8
+  int32_t* block_counts;  // workspace: [G][Ep]
 };
-
-// One fold of a warp reduce-scatter of N packed words: lanes with `off` set keep the upper half
-// and receive the partner's upper half, the others the lower half. After folds 16, 8, 4, 2 of a
-// 16-word vector, word 0 of lane l is word (l >> 1) summed over the 16 lanes sharing lane bit 0
-// (16 shuffles per warp instead of 80 for a full butterfly of all 16 words).
-template <int N>
-__device__ __forceinline__ void fold_half(uint32_t (&acc)[16], int lane, int off) {
-  const bool upper = (lane & off) != 0;
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    const uint32_t send = upper ? acc[i] : acc[i + N / 2];
-    const uint32_t keep = upper ? acc[i + N / 2] : acc[i];
-    acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
-  }
-}
-
-constexpr int kNarrowRowBatch = 8;
-constexpr int kWideRowBatch = 8;    // int32 table rows per thread loaded before summing
-
-// Narrow table -> s_tot[e] (all blocks) and s_bef[e] (blocks before b). Warp w sums uint4
-// column q = w, w + 16, ..: lane l reads rows l, l + 32, ..; 16 experts per column are summed in
-// 16-bit lanes of 8 words (word 2j+h: experts 4j+h (low half) and 4j+h+2 (high half)), exact
-// because no expert total exceeds 65535 (host condition G * 255 <= 65535); then a reduce-scatter.
-__device__ __forceinline__ void narrow_totals(const uint4* table, int G, int b, int E, int lane,
-                                              int warp, int32_t* s_tot, int32_t* s_bef) {
-  const int Qn = narrow_row_bytes(E) / 16;
-  for (int q = warp; q < Qn; q += kFusedWarps) {  // warp-uniform: every lane shuffles
-    uint32_t acc[16];  // [0, 8): totals, [8, 16): earlier blocks
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i] = 0;
-    for (int r0 = 0; r0 < G; r0 += 32 * kNarrowRowBatch) {
-      uint4 v[kNarrowRowBatch];
-#pragma unroll
-      for (int u = 0; u < kNarrowRowBatch; ++u) {  // all loads in flight before the first add
-        const int bb = r0 + u * 32 + lane;
-        v[u] = bb < G ? __ldcg(table + static_cast<int64_t>(bb) * Qn + q) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kNarrowRowBatch; ++u) {
-        const uint32_t before = r0 + u * 32 + lane < b ? 0xffffffffu : 0u;
-        const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t lo = w[j] & 0x00ff00ffu, hi = (w[j] >> 8) & 0x00ff00ffu;
-          acc[2 * j] += lo;
-          acc[2 * j + 1] += hi;
-          acc[8 + 2 * j] += lo & before;
-          acc[9 + 2 * j] += hi & before;
-        }
-      }
-    }
-    fold_half<16>(acc, lane, 16);
-    fold_half<8>(acc, lane, 8);
-    fold_half<4>(acc, lane, 4);
-    fold_half<2>(acc, lane, 2);
-    const uint32_t sum = acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 1);
-    if ((lane & 1) == 0) {
-      const int word = lane >> 1, wj = word & 7;  // word < 8: totals, else earlier blocks
-      const int e = q * 16 + 4 * (wj >> 1) + (wj & 1);
-      int32_t* dst = word < 8 ? s_tot : s_bef;
-      if (e < E) dst[e] = static_cast<int32_t>(sum & 0xffffu);
-      if (e + 2 < E) dst[e + 2] = static_cast<int32_t>(sum >> 16);
-    }
-  }
-}
 
 // One copy batch of a thread: items base, base + kFusedThreads, .. below end (all in flight).
 template <typename V>
@@ -232,68 +150,59 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
   int32_t* s_base = cnt + kFusedWarps * E;  // first row of this block's entries, per expert
   int32_t* s_off = s_base + E;              // segment start
   int32_t* s_tot = s_off + E;               // routed count
-  int32_t* ent = s_tot + E;                 // ids, then rows, of this block's entries (+ extra)
+  int32_t* ent = s_tot + E;                 // ids, then rows: this block's entries + token t1's
   const int G = gridDim.x, b = blockIdx.x, tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, k = a.topk;
   const int64_t t0 = div_nonneg(a.num_tokens * b, G), t1 = div_nonneg(a.num_tokens * (b + 1), G);
   const int ntok = static_cast<int>(t1 - t0), ne = ntok * k;
   const int64_t n0 = t0 * k;
-  // With the balanced copy split the block also needs the rows of token t1 (the next block's
-  // first): its ids follow this block's in ent (ne_all - ne = k entries, or none).
-  const int ne_all = ne + (a.balance != 0 && b + 1 < G ? k : 0);
-  // The copy's share: items (token, vector) [c0, c1) counted from x[t0]. Balanced, every block
-  // copies the same number of items (+-1) however T splits over G: the range may start inside
-  // token t0 and end inside token t1. T*b = t0*G + r, so items*b/G = t0*row_vecs + r*row_vecs/G.
-  // balance = 2 rounds the offset inside the token down to kBalanceQuantum vectors (a function of
-  // (t0, r) only, so block b's end is block b + 1's start): with row_vecs a multiple of 32 every
-  // warp's 32 items then stay inside one row at a 32-vector boundary. Unrounded, they start at
-  // any vector: each warp store of 512 B touches 5 lines instead of 4 (2 of them partial).
+  // The copy share below may end inside token t1 (the next block's first), so the block ranks
+  // that token too: its ids follow the block's own in ent (k entries; none for the last block).
+  const int ne_all = ne + (b + 1 < G ? k : 0);
+  // The copy's share: items (token, vector) [c0, c1) counted from x[t0]. Every block copies the
+  // same number of items however T splits over G, because the slowest block sets the kernel time
+  // (whole tokens: 2 vs 1.5 tokens a block at T = 200). T*b = t0*G + r, so items*b/G =
+  // t0*row_vecs + r*row_vecs/G: the range may start inside token t0 and end inside token t1.
+  // The offset inside the token is rounded down to kBalanceQuantum vectors. It is a function of
+  // (t0, r) only, so block b's end is still block b + 1's start, and with row_vecs % 32 == 0 each
+  // warp's 32 items stay one aligned run of a row. Unrounded, every warp store touched 5 lines
+  // instead of 4, and 8192 tokens ran 22 % slower on the H200 (dispatch_combine_NOTES.md).
   const V* src = x + t0 * row_vecs;
-  unsigned c0 = 0, c1 = static_cast<unsigned>(ntok) * static_cast<unsigned>(row_vecs);
-  if (a.balance != 0) {
-    const int64_t r0 = a.num_tokens * b - t0 * G, r1 = a.num_tokens * (b + 1) - t1 * G;
-    const unsigned mask = a.balance == 2 ? ~(kBalanceQuantum - 1) : ~0u;
-    c0 = static_cast<unsigned>(div_nonneg(r0 * row_vecs, G)) & mask;
-    c1 = static_cast<unsigned>(ntok * static_cast<int64_t>(row_vecs) +
-                               (static_cast<unsigned>(div_nonneg(r1 * row_vecs, G)) & mask));
-  }
+  constexpr unsigned kRoundDown = ~(kBalanceQuantum - 1);
+  const int64_t r0 = a.num_tokens * b - t0 * G, r1 = a.num_tokens * (b + 1) - t1 * G;
+  const unsigned c0 = static_cast<unsigned>(div_nonneg(r0 * row_vecs, G)) & kRoundDown;
+  const unsigned c1 = static_cast<unsigned>(ntok * static_cast<int64_t>(row_vecs) +
+                                            (static_cast<unsigned>(div_nonneg(r1 * row_vecs, G)) &
+                                             kRoundDown));
   const char* xbytes = reinterpret_cast<const char*>(src);
   const int64_t xend = static_cast<int64_t>(c1) * static_cast<int64_t>(sizeof(V));
-  if (a.early == 0 && a.prefetch) {  // main: the first kFusedPrefetch bytes, all warps, first
-    const int64_t first = static_cast<int64_t>(c0) * sizeof(V);
-    const int64_t end = min(xend, first + kFusedPrefetch);
-    for (int64_t o = first + static_cast<int64_t>(tid) * 128; o < end; o += kFusedThreads * 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(xbytes + o));
-  }
   for (int i = tid; i < kFusedWarps * E; i += kFusedThreads) cnt[i] = 0;
   // ids first, alone: they head the critical chain, so no x traffic is queued in front of them.
   for (int i = tid; i < ne_all; i += kFusedThreads) ent[i] = load_id(a.ids, a.is64, n0 + i);
   __syncthreads();
-  // early != 0: the copy's first batch goes into registers now and lands while the routing runs
-  // (its latency leaves the critical chain); the next kFusedPrefetch bytes travel to L2 meanwhile.
+  // The copy's first batch goes into registers now and lands while the routing runs (its DRAM
+  // latency leaves the critical chain); the next kFusedPrefetch bytes travel to L2 meanwhile.
   // Not in warp 0: it runs the grid barrier's fence (thread 0), and a fence may wait for the
   // warp's loads in flight, which would put x's DRAM latency back in front of the barrier.
-  // early = 2: warp 1 prefetches warp 0's first batch into L2 instead (session 5 left it out,
-  // so warp 0 met DRAM latency after the routing, where main's prefetch had it in L2).
+  // Instead warp 1 prefetches warp 0's first batch into L2 (without it, warp 0 met the full
+  // DRAM latency after the routing).
   V vals[kFusedUnroll];
-  if (a.early != 0 && warp != 0) {
+  if (warp != 0) {
     fused_load_batch(vals, src, c0 + tid, c1);
-    if (a.prefetch) {
-      const int64_t first = (static_cast<int64_t>(c0) + kFusedThreads * kFusedUnroll) * sizeof(V);
-      const int64_t end = min(xend, first + kFusedPrefetch);
-      for (int64_t o = first + static_cast<int64_t>(tid - 32) * 128; o < end;
-           o += (kFusedThreads - 32) * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(xbytes + o));
-      if (a.early == 2 && warp == 1) {  // lane: (vector batch u, 128-byte piece)
-        const unsigned it = c0 + (lane & (kFusedUnroll - 1)) * kFusedThreads;
-        const int64_t piece = (lane / kFusedUnroll) * 128;
-        if (it < c1) {
-          const int64_t cb = static_cast<int64_t>(min(32u, c1 - it)) * sizeof(V);
-          const char* p = xbytes + static_cast<int64_t>(it) * sizeof(V);
-          if (piece < cb) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + piece));
-          if (piece == 3 * 128 && cb > 3 * 128)  // the 5th line of a misaligned 512 bytes
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p + cb - 1));
-        }
+    const int64_t first = (static_cast<int64_t>(c0) + kFusedThreads * kFusedUnroll) * sizeof(V);
+    const int64_t end = min(xend, first + kFusedPrefetch);
+    for (int64_t o = first + static_cast<int64_t>(tid - 32) * 128; o < end;
+         o += (kFusedThreads - 32) * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(xbytes + o));
+    if (warp == 1) {  // lane = (warp 0's batch vector u, 128-byte piece of its 32 items)
+      const unsigned it = c0 + (lane & (kFusedUnroll - 1)) * kFusedThreads;
+      const int64_t piece = (lane / kFusedUnroll) * 128;
+      if (it < c1) {
+        const int64_t cb = static_cast<int64_t>(min(32u, c1 - it)) * sizeof(V);
+        const char* p = xbytes + static_cast<int64_t>(it) * sizeof(V);
+        if (piece < cb) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + piece));
+        if (piece == 3 * 128 && cb > 3 * 128)  // the 5th line of 512 bytes off a line boundary
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(p + cb - 1));
       }
     }
   }
@@ -309,12 +218,11 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     __syncwarp();
   }
   __syncthreads();
-  // Per-warp exclusive prefixes; the block's counts go to its table row (one block: straight to
-  // the totals, no table and no grid barrier). Warp-uniform loop: the narrow packing shuffles.
-  const bool solo = G == 1 && a.solo;
-  const int row_len = a.narrow ? narrow_row_bytes(E) : Ep;  // table entries per block
-  for (int base = warp * 32; base < row_len; base += kFusedThreads) {
-    const int e = base + lane;
+  // Per-warp exclusive prefixes; the block's counts go to its row of the table. One block (batch-1
+  // decode): its counts are the totals, so it skips the table, the grid barrier's fence, atomic
+  // and spin, and the table's L2 round trip.
+  const bool solo = G == 1;
+  for (int e = tid; e < Ep; e += kFusedThreads) {
     int run = 0;
     if (e < E) {
       for (int w = 0; w < nw; ++w) {
@@ -323,74 +231,53 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
         run += c;
       }
     }
-    if (solo) {
-      if (e < E) {
-        s_tot[e] = run;
-        s_base[e] = 0;
-      }
-    } else if (a.narrow) {  // 4 experts (counts <= 255) per little-endian word
-      uint32_t word = static_cast<uint32_t>(run) << (8 * (lane & 3));
-      word |= __shfl_xor_sync(0xffffffffu, word, 1);
-      word |= __shfl_xor_sync(0xffffffffu, word, 2);
-      if ((lane & 3) == 0 && e < row_len)
-        __stcg(reinterpret_cast<uint32_t*>(a.block_counts) + (static_cast<int64_t>(b) * row_len + e) / 4,
-               word);
-    } else if (e < Ep) {
+    if (!solo) {
       __stcg(a.block_counts + static_cast<int64_t>(b) * Ep + e, run);
+    } else if (e < E) {
+      s_tot[e] = run;
+      s_base[e] = 0;
     }
   }
   const int per = (E + kFusedThreads - 1) / kFusedThreads;
   const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
   if (!solo) {
     cooperative_groups::this_grid().sync();
-    if (a.narrow) {
-      narrow_totals(reinterpret_cast<const uint4*>(a.block_counts), G, b, E, lane, warp, s_tot,
-                    s_base);
-    } else {
-      // Totals and the prefix over earlier blocks: thread (group g, column q) sums blocks g, g+NG..
-      // in batches whose loads are all issued before the first add (a plain unrolled loop of
-      // __ldcg compiled to one L2 round trip per row: 17 in a row at G = 132).
-      const int4* table = reinterpret_cast<const int4*>(a.block_counts);
-      for (int idx = tid; idx < Q * NG; idx += kFusedThreads) {
-        const int q = idx % Q, g = idx / Q;
-        int4 tot = make_int4(0, 0, 0, 0), bef = tot;
-        if (!a.batch) {  // main's loop: one dependent L2 round trip per row (17 at G = 132)
-#pragma unroll 8
-          for (int bb = g; bb < G; bb += NG) {
-            const int4 v = __ldcg(table + static_cast<int64_t>(bb) * Q + q);
-            tot = tot + v;
-            if (bb < b) bef = bef + v;
-          }
-        }
-        for (int r0 = a.batch ? g : G; r0 < G; r0 += NG * kWideRowBatch) {
-          int4 v[kWideRowBatch];
+    // Totals and the prefix over earlier blocks: thread (group g, column q) sums rows g, g + NG, ..
+    // in batches of kTableBatch loads, all issued before the first add. A plain unrolled loop of
+    // __ldcg compiled to one load per row into the same registers, i.e. one dependent L2 round
+    // trip per row on the critical chain: 17 in a row at G = 132, E = 256; batched, 3.
+    const int4* table = reinterpret_cast<const int4*>(a.block_counts);
+    for (int idx = tid; idx < Q * NG; idx += kFusedThreads) {
+      const int q = idx % Q, g = idx / Q;
+      int4 tot = make_int4(0, 0, 0, 0), bef = tot;
+      for (int r0 = g; r0 < G; r0 += NG * kTableBatch) {
+        int4 v[kTableBatch];
 #pragma unroll
-          for (int u = 0; u < kWideRowBatch; ++u) {
-            const int bb = r0 + u * NG;
-            v[u] = bb < G ? __ldcg(table + static_cast<int64_t>(bb) * Q + q) : make_int4(0, 0, 0, 0);
-          }
+        for (int u = 0; u < kTableBatch; ++u) {
+          const int bb = r0 + u * NG;
+          v[u] = bb < G ? __ldcg(table + static_cast<int64_t>(bb) * Q + q) : make_int4(0, 0, 0, 0);
+        }
 #pragma unroll
-          for (int u = 0; u < kWideRowBatch; ++u) {
-            tot = tot + v[u];
-            if (r0 + u * NG < b) bef = bef + v[u];
-          }
+        for (int u = 0; u < kTableBatch; ++u) {
+          tot = tot + v[u];
+          if (r0 + u * NG < b) bef = bef + v[u];
         }
-        reinterpret_cast<int4*>(red)[g * Q + q] = tot;
-        reinterpret_cast<int4*>(red)[(NG + g) * Q + q] = bef;
       }
-      __syncthreads();
-      for (int e = e0; e < e1; ++e) {
-        int tot = 0, bef = 0;
-        for (int g = 0; g < NG; ++g) {
-          tot += red[g * Ep + e];
-          bef += red[(NG + g) * Ep + e];
-        }
-        s_tot[e] = tot;
-        s_base[e] = bef;
+      reinterpret_cast<int4*>(red)[g * Q + q] = tot;
+      reinterpret_cast<int4*>(red)[(NG + g) * Q + q] = bef;
+    }
+    __syncthreads();
+    for (int e = e0; e < e1; ++e) {
+      int tot = 0, bef = 0;
+      for (int g = 0; g < NG; ++g) {
+        tot += red[g * Ep + e];
+        bef += red[(NG + g) * Ep + e];
       }
+      s_tot[e] = tot;
+      s_base[e] = bef;
     }
   }
-  __syncthreads();
+  __syncthreads();  // (one block: s_tot came from other threads)
   int padded_sum = 0;
   for (int e = e0; e < e1; ++e) padded_sum += pad_to(s_tot[e], a.tile);
   int total;
@@ -401,39 +288,13 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     off += pad_to(s_tot[e], a.tile);
   }
   __syncthreads();
-  // This block's slice of the experts: counts, offsets and padding rows; its share of the tail.
-  // Posted stores that nothing in this kernel reads back: late (default) issues them after the
-  // copy so that they never queue in front of its first stores; else here, as main did.
-  const auto fills = [&]() {
-    const int es0 = static_cast<int>(static_cast<int64_t>(E) * b / G);
-    const int es1 = static_cast<int>(static_cast<int64_t>(E) * (b + 1) / G);
-    for (int e = es0 + tid; e < es1; e += kFusedThreads) {
-      a.expert_counts[e] = s_tot[e];
-      a.expert_offsets[e] = s_off[e];
-    }
-    if (b == G - 1 && tid == 0) a.expert_offsets[E] = total;
-    for (int e = es0 + warp; e < es1; e += kFusedWarps) {
-      const int used = s_off[e] + s_tot[e], end = s_off[e] + pad_to(s_tot[e], a.tile);
-      for (int r = used + lane; r < end; r += 32) a.row_token[r] = -1;
-    }
-    for (int64_t r = total + static_cast<int64_t>(b) * kFusedThreads + tid; r < a.capacity;
-         r += static_cast<int64_t>(G) * kFusedThreads)
-      a.row_token[r] = -1;
-  };
-  if (!a.late) fills();
   for (int i = tid; i < nw * E; i += kFusedThreads) cnt[i] += s_base[i % E];
   __syncthreads();
-  // Rank: the rows go to shared memory (late: the index outputs are written after the copy).
+  // Rank: the rows go to shared memory only; the index outputs are written after the copy.
   for (int s = s0; s < s1; s += 32) {
     const int i = s + lane;
     const int row = rank_step(i < s1 ? ent[i] : -1, lane, mine);
-    if (i < s1) {
-      ent[i] = row;
-      if (!a.late) {
-        a.token_row[n0 + i] = row;
-        if (row >= 0) a.row_token[row] = static_cast<int32_t>(t0 + i / k);
-      }
-    }
+    if (i < s1) ent[i] = row;
   }
   // The last owning warp's cursors now stand at the next block's first rows: it ranks the extra
   // token (rows for the copy only; block b + 1 ranks and publishes the same rows itself).
@@ -445,11 +306,10 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     }
   }
   __syncthreads();
-  // Copy: item = (local token, vector); x read once, stored to the token's k rows. early: the
-  // first batch is already in registers (warp 0: loaded now); else every warp loads it now (then
-  // the loop is main's: load a batch, store it; the same loop body in SASS).
+  // Copy: item = (local token, vector); x read once, stored to the token's k rows. Warps 1-15
+  // hold their first batch already; warp 0 loads its own now (from L2: warp 1 prefetched it).
   const unsigned rv = static_cast<unsigned>(row_vecs);
-  if (a.early == 0 || warp == 0) fused_load_batch(vals, src, c0 + tid, c1);
+  if (warp == 0) fused_load_batch(vals, src, c0 + tid, c1);
   for (unsigned base = c0 + tid;;) {
 #pragma unroll
     for (int u = 0; u < kFusedUnroll; ++u) {
@@ -465,14 +325,28 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     if (base >= c1) break;
     fused_load_batch(vals, src, base, c1);
   }
-  if (a.late) {
-    for (int i = tid; i < ne; i += kFusedThreads) {
-      const int row = ent[i];
-      a.token_row[n0 + i] = row;
-      if (row >= 0) a.row_token[row] = static_cast<int32_t>(t0 + i / k);
-    }
-    fills();
+  // Posted stores that nothing in this kernel reads back, issued last so that they never queue
+  // in front of the copy's first stores: token_row / row_token of the block's own entries, then
+  // its slice of the experts (counts, offsets, padding rows) and its share of the unused tail.
+  for (int i = tid; i < ne; i += kFusedThreads) {
+    const int row = ent[i];
+    a.token_row[n0 + i] = row;
+    if (row >= 0) a.row_token[row] = static_cast<int32_t>(t0 + i / k);
   }
+  const int es0 = static_cast<int>(static_cast<int64_t>(E) * b / G);
+  const int es1 = static_cast<int>(static_cast<int64_t>(E) * (b + 1) / G);
+  for (int e = es0 + tid; e < es1; e += kFusedThreads) {
+    a.expert_counts[e] = s_tot[e];
+    a.expert_offsets[e] = s_off[e];
+  }
+  if (b == G - 1 && tid == 0) a.expert_offsets[E] = total;
+  for (int e = es0 + warp; e < es1; e += kFusedWarps) {
+    const int used = s_off[e] + s_tot[e], end = s_off[e] + pad_to(s_tot[e], a.tile);
+    for (int r = used + lane; r < end; r += 32) a.row_token[r] = -1;
+  }
+  for (int64_t r = total + static_cast<int64_t>(b) * kFusedThreads + tid; r < a.capacity;
+       r += static_cast<int64_t>(G) * kFusedThreads)
+    a.row_token[r] = -1;
 }
 
 // ---- large batches: count / scan / place ------------------------------------------------------
@@ -758,30 +632,11 @@ DeviceLimits device_limits() {
   return d;
 }
 
-// Switches for tests and A/B runs (read per call: tests flip them between calls). Unset = the
-// default; each value below is main's behaviour (6d59f11) for that part of the fused kernel:
-//  ZEROINFER_DISPATCH_FUSED=0     the count / scan / place + gather path instead of the fused kernel;
-//  ZEROINFER_DISPATCH_NARROW=0    the int32 count table even where uint8 fits;
-//  ZEROINFER_DISPATCH_BATCH=0     the int32 table read one dependent row at a time (main's loop);
-//  ZEROINFER_DISPATCH_SOLO=0      one block still writes the table and passes the grid barrier;
-//  ZEROINFER_DISPATCH_BALANCE=0   the copy split by whole tokens (block b copies its own); =1 equal
-//                                 item ranges at any vector (session 5); default 2: rounded to
-//                                 kBalanceQuantum vectors;
-//  ZEROINFER_DISPATCH_EARLY=0     no early register loads, L2 prefetch from the first copy item by
-//                                 all warps (main); =1 session 5 (warps 1-15 load their first
-//                                 batch early, prefetch of the next 128 KB); default 2: as 1 plus
-//                                 warp 0's first batch prefetched into L2;
-//  ZEROINFER_DISPATCH_PREFETCH=0  no L2 prefetch of x at all (not main: main prefetched);
-//  ZEROINFER_DISPATCH_LATE=0      index outputs, padding and tail stored before the copy (main).
-// Main's kernel: NARROW=0 BATCH=0 SOLO=0 BALANCE=0 EARLY=0 LATE=0. Session 5 as measured on the
-// H200: BALANCE=1 EARLY=1.
-int env_level(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || v[0] == '\0') return dflt;
-  return v[0] >= '0' && v[0] <= '9' ? v[0] - '0' : dflt;
+// ZEROINFER_DISPATCH_FUSED=0 forces the count / scan / place + gather path (tests, A/B runs).
+bool fused_allowed() {
+  const char* v = std::getenv("ZEROINFER_DISPATCH_FUSED");
+  return v == nullptr || v[0] != '0';
 }
-bool env_on(const char* name) { return env_level(name, 1) != 0; }
-bool fused_allowed() { return env_on("ZEROINFER_DISPATCH_FUSED"); }
 
 int64_t fused_workspace_bytes(int64_t num_tokens, int64_t num_experts) {
   const int64_t blocks = std::min<int64_t>(std::max<int64_t>(num_tokens, 1), kFusedMaxBlocks);
@@ -803,11 +658,6 @@ bool try_fused(const MoeDispatchParams& p, int64_t row_bytes, void* workspace, c
     return false;
   const int num_experts = static_cast<int>(p.num_experts);
   const size_t smem = fused_smem(num_experts, static_cast<int>(max_entries + p.topk));
-  // uint8 counts per block and 16-bit partial sums in the narrow table's reduction: exact while
-  // a block owns <= 255 entries and no expert total can pass 65535. Every block reads the whole
-  // table after the barrier (132 x 256 B instead of 132 x 1 KB at V4 shapes, T <= ~5.5 K).
-  const bool narrow = env_on("ZEROINFER_DISPATCH_NARROW") && max_entries <= 255 &&
-                      blocks * max_entries <= 65535;
   // The kernel's static shared memory (block scan + grid sync scratch) comes on top.
   if (smem + 1024 > static_cast<size_t>(dl.smem_optin)) return false;
   if (smem + 1024 > kSmemLimit) {  // (large E only: V4's 256 experts stay under 48 KB)
@@ -815,24 +665,9 @@ bool try_fused(const MoeDispatchParams& p, int64_t row_bytes, void* workspace, c
                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
   }
-  FusedArgs args{p.topk_ids,
-                 p.ids_dtype == DType::kInt64,
-                 narrow,
-                 env_on("ZEROINFER_DISPATCH_BATCH"),
-                 env_on("ZEROINFER_DISPATCH_SOLO"),
-                 env_on("ZEROINFER_DISPATCH_LATE"),
-                 env_on("ZEROINFER_DISPATCH_PREFETCH"),
-                 std::min(env_level("ZEROINFER_DISPATCH_BALANCE", 2), 2),
-                 std::min(env_level("ZEROINFER_DISPATCH_EARLY", 2), 2),
-                 p.num_tokens,
-                 static_cast<int>(p.topk),
-                 num_experts,
-                 static_cast<int>(p.tile),
-                 p.capacity,
-                 p.row_token,
-                 p.token_row,
-                 p.expert_counts,
-                 p.expert_offsets,
+  FusedArgs args{p.topk_ids,      p.ids_dtype == DType::kInt64, p.num_tokens,
+                 static_cast<int>(p.topk), num_experts, static_cast<int>(p.tile),
+                 p.capacity,      p.row_token, p.token_row, p.expert_counts, p.expert_offsets,
                  static_cast<int32_t*>(workspace)};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
