@@ -7,9 +7,11 @@ from zeroinfer.ops import correct_lengths, moe_combine, moe_dispatch, sparse_mla
 from zeroinfer.quant.kv_fp8 import quantize_kv_fp8
 
 gen = torch.Generator().manual_seed(1)
-# (3000, 6, ...) takes the multi-launch routing (T*k > 16384), the others the one-block routing.
+# All take the fused kernel (132 SMs): one block (T = 1: no count table, no grid barrier), copy
+# ranges that start / end inside a token (300, 3000), and the int32 count table read in batches
+# (6000 x 8 at E = 128: 368 entries and 8-9 table rows a thread).
 for T, k, E, tile, D in [(1, 6, 256, 64, 4096), (300, 6, 256, 16, 4096), (77, 3, 5, 1, 13),
-                        (3000, 6, 256, 64, 520)]:
+                        (3000, 6, 256, 64, 520), (6000, 8, 128, 16, 24)]:
     x = torch.randn(T, D, generator=gen).to("cuda", torch.bfloat16)
     ids = torch.randint(-1, E, (T, k), generator=gen, dtype=torch.int32).cuda()
     d = moe_dispatch(x, ids, E, tile=tile)

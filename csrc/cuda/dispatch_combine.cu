@@ -2,19 +2,27 @@
 //
 // dispatch = routing (ids -> rows: a few hundred KB at most) + one bandwidth-bound gather.
 //  Fused path (dispatch_fused_kernel; whenever its tables fit in shared memory): ONE cooperative
-//   launch of G = min(T, #SMs) blocks, 512 threads, block b owning tokens [T*b/G, T*(b+1)/G):
-//   1. L2 prefetch of the block's first x rows; ids into shared memory; each of 16 warps counts
+//   launch of G = min(T, #SMs) blocks, 512 threads, block b routing tokens [T*b/G, T*(b+1)/G):
+//   1. ids into shared memory (alone: nothing queued in front of them); then warps 1-15 load the
+//      block's first copy batch into registers and prefetch the next 128 KB of its x range (and
+//      warp 0's first batch) into L2, all landing while the routing runs; each of 16 warps counts
 //      its contiguous run of (token, slot) entries per expert (__match_any_sync); per-warp
 //      exclusive prefixes; the block's per-expert counts -> workspace[b][E] (16-byte padded E).
-//   2. grid barrier (cooperative_groups grid sync: the only global synchronisation).
-//   3. every block reads the whole [G][E] count table (int4 loads, L2-resident) for the expert
-//      totals and its own prefix over earlier blocks, scans the E tile-padded totals itself,
-//      publishes counts / offsets and fills the padding rows of its own slice of experts and
-//      its share of the unused tail (row_token = -1: spread over all SMs, lane-contiguous).
-//   4. warps rank their runs (cursor = offset + earlier blocks + earlier warps) -> token_row,
-//      row_token, and the rows in shared memory;
-//   5. the block copies its own tokens: x[t] read once (kFusedUnroll vectors per thread in
-//      flight), stored to its k rows. No second barrier: a block only needs its own rows.
+//   2. grid barrier (cooperative_groups grid sync: the only global synchronisation; skipped with
+//      one block, whose counts are the totals).
+//   3. every block reads the whole [G][E] count table (int4 loads, L2-resident, kTableBatch loads
+//      in flight per thread) for the expert totals and its own prefix over earlier blocks, and
+//      scans the E tile-padded totals itself.
+//   4. warps rank their runs (cursor = offset + earlier blocks + earlier warps) into shared
+//      memory; the last warp goes on with the next block's first token (balanced copy, below).
+//   5. the block copies an equal share of the T x row items (x read once, kFusedUnroll vectors
+//      per thread in flight, stored to the token's k rows): the share may start inside its first
+//      token and end inside the next block's first token, whose rows step 4 ranked as well, so
+//      no block waits on another; the split points inside a token are rounded down to 32
+//      vectors, so that warp accesses stay line-aligned. No second barrier.
+//   6. posted stores last: token_row / row_token, counts / offsets and padding rows of its slice
+//      of experts, its share of the unused tail (row_token = -1: spread over all SMs).
+//   H200 measurements and the variants tried: bench/results/h200/dispatch_combine_NOTES.md.
 //  Fallback (E too large for the fused tables, or ZEROINFER_DISPATCH_FUSED=0): count / scan /
 //   place over kChunk-entry chunks, then gather_rows_kernel:
 //   1. count: per-chunk expert counts into workspace[e][chunk] (expert-major), row_token := -1;
@@ -56,6 +64,9 @@ constexpr int kFusedUnroll = 8;            // copy: vectors loaded per thread be
 constexpr int kFusedMaxBlocks = 1024;      // bounds the [G][E] count table in the workspace
 constexpr int kFusedMaxEntries = 16384;    // (token, slot) entries one block may own
 constexpr int64_t kFusedPrefetch = 128 * 1024;  // x bytes per block prefetched into L2
+constexpr int kTableBatch = 8;             // count-table rows a thread loads before summing
+constexpr unsigned kBalanceQuantum = 32;   // copy split points inside a token: a warp's items
+static_assert(kFusedUnroll * 4 == 32, "warp 1's lanes = (warp 0's batch vector, 128-B piece)");
 constexpr size_t kSmemLimit = 48 * 1024;
 constexpr int kGatherThreads = 128;
 constexpr int kGatherUnroll = 4;           // vectors per thread, all loaded before storing
@@ -66,6 +77,12 @@ constexpr int kCombineRows = 4;            // expert rows loaded before accumula
 __device__ __forceinline__ int load_id(const void* ids, bool is64, int64_t i) {
   return is64 ? static_cast<int>(static_cast<const int64_t*>(ids)[i])
               : static_cast<const int32_t*>(ids)[i];
+}
+
+// n / d for n >= 0, d > 0: 32-bit division whenever n fits (the 64-bit one is a long routine).
+__device__ __forceinline__ int64_t div_nonneg(int64_t n, int d) {
+  if (n > 0xffffffffll) return n / d;
+  return static_cast<int64_t>(static_cast<uint32_t>(n) / static_cast<uint32_t>(d));
 }
 
 __device__ __forceinline__ int pad_to(int c, int tile) { return (c + tile - 1) / tile * tile; }
@@ -88,7 +105,8 @@ __device__ __forceinline__ int4 operator+(int4 a, int4 b) {
 }
 
 // Shared memory (int32 units): red[2][NG][Ep] (int4-aligned, first), cnt[kFusedWarps][E],
-// s_base[E], s_off[E], s_tot[E], ent[max_entries] (ids, then rows).
+// s_base[E], s_off[E], s_tot[E], ent[max_entries + topk] (ids, then rows; the extra topk hold
+// the next block's first token, which the balanced copy split may reach into).
 __host__ __device__ inline int fused_groups(int num_experts) {
   const int q = (num_experts + 3) / 4;  // int4 columns of the count table
   return q >= kFusedThreads ? 1 : kFusedThreads / q;
@@ -111,6 +129,17 @@ struct FusedArgs {
   int32_t* block_counts;  // workspace: [G][Ep]
 };
 
+// One copy batch of a thread: items base, base + kFusedThreads, .. below end (all in flight).
+template <typename V>
+__device__ __forceinline__ void fused_load_batch(V (&vals)[kFusedUnroll], const V* __restrict__ src,
+                                                 unsigned base, unsigned end) {
+#pragma unroll
+  for (int u = 0; u < kFusedUnroll; ++u) {
+    const unsigned it = base + u * kFusedThreads;
+    if (it < end) vals[u] = __ldg(src + it);
+  }
+}
+
 template <typename V>
 __global__ void __launch_bounds__(kFusedThreads, 1)
 dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sorted_x) {
@@ -121,23 +150,62 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
   int32_t* s_base = cnt + kFusedWarps * E;  // first row of this block's entries, per expert
   int32_t* s_off = s_base + E;              // segment start
   int32_t* s_tot = s_off + E;               // routed count
-  int32_t* ent = s_tot + E;                 // ids, then rows, of this block's entries
+  int32_t* ent = s_tot + E;                 // ids, then rows: this block's entries + token t1's
   const int G = gridDim.x, b = blockIdx.x, tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, k = a.topk;
-  const int64_t t0 = a.num_tokens * b / G, t1 = a.num_tokens * (b + 1) / G;
+  const int64_t t0 = div_nonneg(a.num_tokens * b, G), t1 = div_nonneg(a.num_tokens * (b + 1), G);
   const int ntok = static_cast<int>(t1 - t0), ne = ntok * k;
   const int64_t n0 = t0 * k;
+  // The copy share below may end inside token t1 (the next block's first), so the block ranks
+  // that token too: its ids follow the block's own in ent (k entries; none for the last block).
+  const int ne_all = ne + (b + 1 < G ? k : 0);
+  // The copy's share: items (token, vector) [c0, c1) counted from x[t0]. Every block copies the
+  // same number of items however T splits over G, because the slowest block sets the kernel time
+  // (whole tokens: 2 vs 1.5 tokens a block at T = 200). T*b = t0*G + r, so items*b/G =
+  // t0*row_vecs + r*row_vecs/G: the range may start inside token t0 and end inside token t1.
+  // The offset inside the token is rounded down to kBalanceQuantum vectors. It is a function of
+  // (t0, r) only, so block b's end is still block b + 1's start, and with row_vecs % 32 == 0 each
+  // warp's 32 items stay one aligned run of a row. Unrounded, every warp store touched 5 lines
+  // instead of 4, and 8192 tokens ran 22 % slower on the H200 (dispatch_combine_NOTES.md).
   const V* src = x + t0 * row_vecs;
-  {  // The copy's first bytes travel to L2 while the routing runs.
-    const char* p = reinterpret_cast<const char*>(src);
-    const int64_t bytes = min(static_cast<int64_t>(ntok) * row_vecs * static_cast<int64_t>(sizeof(V)),
-                              kFusedPrefetch);
-    for (int64_t o = static_cast<int64_t>(tid) * 128; o < bytes; o += kFusedThreads * 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-  }
+  constexpr unsigned kRoundDown = ~(kBalanceQuantum - 1);
+  const int64_t r0 = a.num_tokens * b - t0 * G, r1 = a.num_tokens * (b + 1) - t1 * G;
+  const unsigned c0 = static_cast<unsigned>(div_nonneg(r0 * row_vecs, G)) & kRoundDown;
+  const unsigned c1 = static_cast<unsigned>(ntok * static_cast<int64_t>(row_vecs) +
+                                            (static_cast<unsigned>(div_nonneg(r1 * row_vecs, G)) &
+                                             kRoundDown));
+  const char* xbytes = reinterpret_cast<const char*>(src);
+  const int64_t xend = static_cast<int64_t>(c1) * static_cast<int64_t>(sizeof(V));
   for (int i = tid; i < kFusedWarps * E; i += kFusedThreads) cnt[i] = 0;
-  for (int i = tid; i < ne; i += kFusedThreads) ent[i] = load_id(a.ids, a.is64, n0 + i);
+  // ids first, alone: they head the critical chain, so no x traffic is queued in front of them.
+  for (int i = tid; i < ne_all; i += kFusedThreads) ent[i] = load_id(a.ids, a.is64, n0 + i);
   __syncthreads();
+  // The copy's first batch goes into registers now and lands while the routing runs (its DRAM
+  // latency leaves the critical chain); the next kFusedPrefetch bytes travel to L2 meanwhile.
+  // Not in warp 0: it runs the grid barrier's fence (thread 0), and a fence may wait for the
+  // warp's loads in flight, which would put x's DRAM latency back in front of the barrier.
+  // Instead warp 1 prefetches warp 0's first batch into L2 (without it, warp 0 met the full
+  // DRAM latency after the routing).
+  V vals[kFusedUnroll];
+  if (warp != 0) {
+    fused_load_batch(vals, src, c0 + tid, c1);
+    const int64_t first = (static_cast<int64_t>(c0) + kFusedThreads * kFusedUnroll) * sizeof(V);
+    const int64_t end = min(xend, first + kFusedPrefetch);
+    for (int64_t o = first + static_cast<int64_t>(tid - 32) * 128; o < end;
+         o += (kFusedThreads - 32) * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(xbytes + o));
+    if (warp == 1) {  // lane = (warp 0's batch vector u, 128-byte piece of its 32 items)
+      const unsigned it = c0 + (lane & (kFusedUnroll - 1)) * kFusedThreads;
+      const int64_t piece = (lane / kFusedUnroll) * 128;
+      if (it < c1) {
+        const int64_t cb = static_cast<int64_t>(min(32u, c1 - it)) * sizeof(V);
+        const char* p = xbytes + static_cast<int64_t>(it) * sizeof(V);
+        if (piece < cb) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + piece));
+        if (piece == 3 * 128 && cb > 3 * 128)  // the 5th line of 512 bytes off a line boundary
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(p + cb - 1));
+      }
+    }
+  }
   // Warp w owns entries [s0, s1): whole 32-entry steps, in entry order across warps.
   const int seg = (ne + kFusedWarps * 32 - 1) / (kFusedWarps * 32) * 32;
   const int nw = seg > 0 ? (ne + seg - 1) / seg : 0;  // warps that own entries
@@ -150,7 +218,10 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     __syncwarp();
   }
   __syncthreads();
-  int32_t* my_counts = a.block_counts + static_cast<int64_t>(b) * Ep;
+  // Per-warp exclusive prefixes; the block's counts go to its row of the table. One block (batch-1
+  // decode): its counts are the totals, so it skips the table, the grid barrier's fence, atomic
+  // and spin, and the table's L2 round trip.
+  const bool solo = G == 1;
   for (int e = tid; e < Ep; e += kFusedThreads) {
     int run = 0;
     if (e < E) {
@@ -160,37 +231,55 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
         run += c;
       }
     }
-    __stcg(my_counts + e, run);
-  }
-  cooperative_groups::this_grid().sync();
-  // Totals and the prefix over earlier blocks: thread (group g, column q) sums blocks g, g+NG..
-  const int4* table = reinterpret_cast<const int4*>(a.block_counts);
-  for (int idx = tid; idx < Q * NG; idx += kFusedThreads) {
-    const int q = idx % Q, g = idx / Q;
-    int4 tot = make_int4(0, 0, 0, 0), bef = tot;
-#pragma unroll 8
-    for (int bb = g; bb < G; bb += NG) {
-      const int4 v = __ldcg(table + static_cast<int64_t>(bb) * Q + q);
-      tot = tot + v;
-      if (bb < b) bef = bef + v;
+    if (!solo) {
+      __stcg(a.block_counts + static_cast<int64_t>(b) * Ep + e, run);
+    } else if (e < E) {
+      s_tot[e] = run;
+      s_base[e] = 0;
     }
-    reinterpret_cast<int4*>(red)[g * Q + q] = tot;
-    reinterpret_cast<int4*>(red)[(NG + g) * Q + q] = bef;
   }
-  __syncthreads();
   const int per = (E + kFusedThreads - 1) / kFusedThreads;
   const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
-  int padded_sum = 0;
-  for (int e = e0; e < e1; ++e) {
-    int tot = 0, bef = 0;
-    for (int g = 0; g < NG; ++g) {
-      tot += red[g * Ep + e];
-      bef += red[(NG + g) * Ep + e];
+  if (!solo) {
+    cooperative_groups::this_grid().sync();
+    // Totals and the prefix over earlier blocks: thread (group g, column q) sums rows g, g + NG, ..
+    // in batches of kTableBatch loads, all issued before the first add. A plain unrolled loop of
+    // __ldcg compiled to one load per row into the same registers, i.e. one dependent L2 round
+    // trip per row on the critical chain: 17 in a row at G = 132, E = 256; batched, 3.
+    const int4* table = reinterpret_cast<const int4*>(a.block_counts);
+    for (int idx = tid; idx < Q * NG; idx += kFusedThreads) {
+      const int q = idx % Q, g = idx / Q;
+      int4 tot = make_int4(0, 0, 0, 0), bef = tot;
+      for (int r0 = g; r0 < G; r0 += NG * kTableBatch) {
+        int4 v[kTableBatch];
+#pragma unroll
+        for (int u = 0; u < kTableBatch; ++u) {
+          const int bb = r0 + u * NG;
+          v[u] = bb < G ? __ldcg(table + static_cast<int64_t>(bb) * Q + q) : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kTableBatch; ++u) {
+          tot = tot + v[u];
+          if (r0 + u * NG < b) bef = bef + v[u];
+        }
+      }
+      reinterpret_cast<int4*>(red)[g * Q + q] = tot;
+      reinterpret_cast<int4*>(red)[(NG + g) * Q + q] = bef;
     }
-    s_tot[e] = tot;
-    s_base[e] = bef;
-    padded_sum += pad_to(tot, a.tile);
+    __syncthreads();
+    for (int e = e0; e < e1; ++e) {
+      int tot = 0, bef = 0;
+      for (int g = 0; g < NG; ++g) {
+        tot += red[g * Ep + e];
+        bef += red[(NG + g) * Ep + e];
+      }
+      s_tot[e] = tot;
+      s_base[e] = bef;
+    }
   }
+  __syncthreads();  // (one block: s_tot came from other threads)
+  int padded_sum = 0;
+  for (int e = e0; e < e1; ++e) padded_sum += pad_to(s_tot[e], a.tile);
   int total;
   int off = block_exclusive_scan(padded_sum, &total);  // (synchronises the block)
   for (int e = e0; e < e1; ++e) {
@@ -199,7 +288,51 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
     off += pad_to(s_tot[e], a.tile);
   }
   __syncthreads();
-  // This block's slice of the experts: counts, offsets and padding rows; its share of the tail.
+  for (int i = tid; i < nw * E; i += kFusedThreads) cnt[i] += s_base[i % E];
+  __syncthreads();
+  // Rank: the rows go to shared memory only; the index outputs are written after the copy.
+  for (int s = s0; s < s1; s += 32) {
+    const int i = s + lane;
+    const int row = rank_step(i < s1 ? ent[i] : -1, lane, mine);
+    if (i < s1) ent[i] = row;
+  }
+  // The last owning warp's cursors now stand at the next block's first rows: it ranks the extra
+  // token (rows for the copy only; block b + 1 ranks and publishes the same rows itself).
+  if (warp == nw - 1) {
+    for (int s = ne; s < ne_all; s += 32) {
+      const int i = s + lane;
+      const int row = rank_step(i < ne_all ? ent[i] : -1, lane, mine);
+      if (i < ne_all) ent[i] = row;
+    }
+  }
+  __syncthreads();
+  // Copy: item = (local token, vector); x read once, stored to the token's k rows. Warps 1-15
+  // hold their first batch already; warp 0 loads its own now (from L2: warp 1 prefetched it).
+  const unsigned rv = static_cast<unsigned>(row_vecs);
+  if (warp == 0) fused_load_batch(vals, src, c0 + tid, c1);
+  for (unsigned base = c0 + tid;;) {
+#pragma unroll
+    for (int u = 0; u < kFusedUnroll; ++u) {
+      const unsigned it = base + u * kFusedThreads;
+      if (it >= c1) break;
+      const unsigned tl = it / rv, v = it - tl * rv;
+      for (int j = 0; j < k; ++j) {
+        const int row = ent[tl * k + j];
+        if (row >= 0) sorted_x[static_cast<int64_t>(row) * row_vecs + v] = vals[u];
+      }
+    }
+    base += kFusedThreads * kFusedUnroll;
+    if (base >= c1) break;
+    fused_load_batch(vals, src, base, c1);
+  }
+  // Posted stores that nothing in this kernel reads back, issued last so that they never queue
+  // in front of the copy's first stores: token_row / row_token of the block's own entries, then
+  // its slice of the experts (counts, offsets, padding rows) and its share of the unused tail.
+  for (int i = tid; i < ne; i += kFusedThreads) {
+    const int row = ent[i];
+    a.token_row[n0 + i] = row;
+    if (row >= 0) a.row_token[row] = static_cast<int32_t>(t0 + i / k);
+  }
   const int es0 = static_cast<int>(static_cast<int64_t>(E) * b / G);
   const int es1 = static_cast<int>(static_cast<int64_t>(E) * (b + 1) / G);
   for (int e = es0 + tid; e < es1; e += kFusedThreads) {
@@ -214,40 +347,6 @@ dispatch_fused_kernel(FusedArgs a, const V* __restrict__ x, int row_vecs, V* sor
   for (int64_t r = total + static_cast<int64_t>(b) * kFusedThreads + tid; r < a.capacity;
        r += static_cast<int64_t>(G) * kFusedThreads)
     a.row_token[r] = -1;
-  for (int i = tid; i < nw * E; i += kFusedThreads) cnt[i] += s_base[i % E];
-  __syncthreads();
-  for (int s = s0; s < s1; s += 32) {
-    const int i = s + lane;
-    const int e = i < s1 ? ent[i] : -1;
-    const int row = rank_step(e, lane, mine);
-    if (i < s1) {
-      ent[i] = row;
-      a.token_row[n0 + i] = row;
-      if (row >= 0) a.row_token[row] = static_cast<int32_t>(t0 + i / k);
-    }
-  }
-  __syncthreads();
-  // Copy: item = (local token, vector); x read once, stored to the token's k rows.
-  const unsigned items = static_cast<unsigned>(ntok) * static_cast<unsigned>(row_vecs);
-  for (unsigned base = tid; base < items; base += kFusedThreads * kFusedUnroll) {
-    V vals[kFusedUnroll];
-#pragma unroll
-    for (int u = 0; u < kFusedUnroll; ++u) {
-      const unsigned it = base + u * kFusedThreads;
-      if (it < items) vals[u] = __ldg(src + it);
-    }
-#pragma unroll
-    for (int u = 0; u < kFusedUnroll; ++u) {
-      const unsigned it = base + u * kFusedThreads;
-      if (it >= items) continue;
-      const unsigned tl = it / static_cast<unsigned>(row_vecs);
-      const unsigned v = it - tl * static_cast<unsigned>(row_vecs);
-      for (int j = 0; j < k; ++j) {
-        const int row = ent[tl * k + j];
-        if (row >= 0) sorted_x[static_cast<int64_t>(row) * row_vecs + v] = vals[u];
-      }
-    }
-  }
 }
 
 // ---- large batches: count / scan / place ------------------------------------------------------
@@ -554,9 +653,11 @@ bool try_fused(const MoeDispatchParams& p, int64_t row_bytes, void* workspace, c
   const int64_t max_tokens = (p.num_tokens + blocks - 1) / blocks;
   const int64_t max_entries = max_tokens * p.topk;
   const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(V));
-  if (max_entries > kFusedMaxEntries || max_tokens * row_vecs >= (int64_t{1} << 31)) return false;
+  // (+1 token: the balanced copy range may reach into the next block's first token.)
+  if (max_entries > kFusedMaxEntries || (max_tokens + 1) * row_vecs >= (int64_t{1} << 31))
+    return false;
   const int num_experts = static_cast<int>(p.num_experts);
-  const size_t smem = fused_smem(num_experts, static_cast<int>(max_entries));
+  const size_t smem = fused_smem(num_experts, static_cast<int>(max_entries + p.topk));
   // The kernel's static shared memory (block scan + grid sync scratch) comes on top.
   if (smem + 1024 > static_cast<size_t>(dl.smem_optin)) return false;
   if (smem + 1024 > kSmemLimit) {  // (large E only: V4's 256 experts stay under 48 KB)

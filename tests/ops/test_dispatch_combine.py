@@ -249,7 +249,12 @@ def test_cuda_combine_matches_cpu(gen, in_dtype, out_dtype, T, k, D):
 
 # The CUDA dispatch runs ONE cooperative kernel (routing + copy, G = min(T, #SMs) blocks) when
 # its tables fit in shared memory, else count / scan / place + gather;
-# ZEROINFER_DISPATCH_FUSED=0 forces the latter. Every case runs on both paths.
+# ZEROINFER_DISPATCH_FUSED=0 forces the latter. Every case runs on both paths. The fused kernel's
+# branches the shapes below reach (comments assume 132 SMs): one block (no count table, no grid
+# barrier), the int32 count table read in batches of 8 rows a thread (E = 256: 16-17 rows, the
+# last batch partial), and copy ranges that start and end inside a token (split points inside a
+# token are multiples of 32 vectors, so that needs rows of 32+ vectors: the vector-width and
+# skewed tests).
 PATHS = ["fused", "fallback"]
 
 
@@ -272,6 +277,9 @@ def set_path(monkeypatch, path):
     (5, 4, 3000, 8, 0.0),       # tables too large for the fused kernel: fallback either way
     (4000, 6, 64, 16, 1.0),     # everything dropped
     (1500, 1, 3, 1, 0.0),       # k = 1, tile = 1, few experts
+    (203, 6, 256, 64, 0.05),    # 1-2 tokens per block: each also ranks the next block's first
+    (4224, 8, 256, 64, 0.0),    # 32 x 8 = 256 entries per block; 16-17 table rows a thread
+    (6000, 8, 128, 16, 0.1),    # 45-46 x 8 entries per block; E = 128: 8-9 table rows a thread
 ])
 def test_cuda_dispatch_routing_paths(gen, monkeypatch, path, ids_dtype, T, k, E, tile, drop):
     set_path(monkeypatch, path)
@@ -286,7 +294,9 @@ def test_cuda_dispatch_routing_paths(gen, monkeypatch, path, ids_dtype, T, k, E,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("T", [0, 1, 300])
+# 300: 2-3 tokens of 65 vectors per block, copy ranges split tokens; 5544 = 132 x 42 tokens: 252
+# entries of one expert per block, that expert's total 33264
+@pytest.mark.parametrize("T", [0, 1, 300, 5544])
 def test_cuda_dispatch_skewed_paths(gen, monkeypatch, path, T):
     set_path(monkeypatch, path)
     k, E, tile, D = 6, 256, 64, 520
@@ -311,9 +321,10 @@ def test_cuda_dispatch_skewed_paths(gen, monkeypatch, path, T):
     (torch.bfloat16, 7168, 0),      # V4 hidden size: 2 pieces
     (torch.float8_e4m3fn, 4097, 0),  # 1-byte vectors, 4097 per row: several copy batches
 ])
-def test_cuda_dispatch_gather_vector_widths(gen, monkeypatch, path, dtype, D, offset):
+@pytest.mark.parametrize("T", [37, 203])  # one token per block; copy ranges that split tokens
+def test_cuda_dispatch_gather_vector_widths(gen, monkeypatch, path, dtype, D, offset, T):
     set_path(monkeypatch, path)
-    T, k, E, tile = 37, 6, 16, 8
+    k, E, tile = 6, 16, 8
     base = random_x(gen, T * D + offset, 1, dtype).view(-1)
     x = base[offset:].view(T, D)
     ids = random_ids(gen, T, k, E, drop=0.1)
