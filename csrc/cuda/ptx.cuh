@@ -36,10 +36,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-// A value every lane of the warp already holds, broadcast from lane 0 so that ptxas knows it is
-// warp-uniform and keeps what is derived from it (wgmma descriptors) in uniform registers.
-__device__ __forceinline__ uint32_t warp_uniform(uint32_t x) { return __shfl_sync(0xffffffffu, x, 0); }
-
 // Exact bf16x2 product when one factor is a power of two (fma with -0 keeps the sign of zero
 // products; bf16 subnormals are kept).
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {

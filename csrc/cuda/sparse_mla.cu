@@ -581,27 +581,6 @@ struct Smem {
 // memory), then the warpgroups swap the halves they do not keep through `xchg` ([2][128][16]
 // floats): warpgroup cg ends with entries 32 cg ..+32, summed in a fixed order (dims 0..255
 // first), as the softmax expects.
-// The S chain of warpgroup CG over its 256 dims, issued and committed. CG is a template
-// parameter so that every descriptor is a compile-time offset from two warp-uniform bases and
-// ptxas keeps them in uniform registers (one uniform add a wgmma): with the warpgroup index as a
-// run-time value each wgmma took a per-thread 64-bit descriptor add and four R2UR moves (~19
-// instructions; ~300 a warp and tile with P V's).
-template <int CG, int kHeads>
-__device__ __forceinline__ void scores_chain(float (&full)[32], uint32_t q_base,
-                                             uint32_t k_base) {
-  const uint64_t dq = wgmma::desc_sw128(q_base, 16, 1024);
-  const uint64_t dk = wgmma::desc_sw128(k_base, 16, 1024);
-  wgmma::fence();
-#pragma unroll
-  for (int k = 0; k < kDim / 32; ++k) {
-    const int kk = CG * (kDim / 32) + k;  // k-step of 16 dims
-    const uint32_t qoff = (kk >> 2) * (kHeads * 128) + (kk & 3) * 32;
-    const uint32_t koff = (kk >> 2) * (kTileN * 128) + (kk & 3) * 32;
-    wgmma::wgmma_m64n64k16_bf16(full, dq + (qoff >> 4), dk + (koff >> 4), k > 0);
-  }
-  wgmma::commit();
-}
-
 template <int R>
 __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_base,
                                        uint32_t k_base, int rg, int cg, int lane, float* xchg) {
@@ -611,10 +590,17 @@ __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_ba
   if constexpr (G::kWgmma) {
     static_assert(NT == 4, "64 heads: each warpgroup keeps 32 entries");
     float full[32];  // this warpgroup's partial S[64 heads, 64 entries]: n8 group j at 4j..
-    if (cg == 0)
-      scores_chain<0, G::kHeads>(full, q_base, k_base);
-    else
-      scores_chain<1, G::kHeads>(full, q_base, k_base);
+    const uint64_t dq = wgmma::desc_sw128(q_base, 16, 1024);
+    const uint64_t dk = wgmma::desc_sw128(k_base, 16, 1024);
+    wgmma::fence();
+#pragma unroll
+    for (int k = 0; k < kDim / 32; ++k) {
+      const int kk = cg * (kDim / 32) + k;  // k-step of 16 dims
+      const uint32_t qoff = (kk >> 2) * (G::kHeads * 128) + (kk & 3) * 32;
+      const uint32_t koff = (kk >> 2) * (kTileN * 128) + (kk & 3) * 32;
+      wgmma::wgmma_m64n64k16_bf16(full, dq + (qoff >> 4), dk + (koff >> 4), k > 0);
+    }
+    wgmma::commit();
     wgmma::wait<0>();
     wgmma::fence_operands(full);
     // Give away the other warpgroup's 32 entries, take this one's from it.
@@ -696,37 +682,27 @@ __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_ba
 
 // O += P V over this warp's output dims (P in shared memory, V = the tile at k_base). wgmma:
 // issued asynchronously, finished by pv_wait; mma.sync: complete on return.
-// Warpgroup CG's P V chain (O[64 heads, dims 256 CG ..+256] in two N=128 halves; P K-major, V
-// N-major: the K tile read with dims contiguous, 64-dim panels 8 KB apart, 8-entry groups 1 KB),
-// issued and committed. CG a template parameter for uniform descriptors, as in scores_chain.
-template <int CG>
-__device__ __forceinline__ void pv_chain(float (&acc)[32][4], uint32_t p_base, uint32_t k_base) {
-  const uint64_t dp = wgmma::desc_sw128(p_base, 16, 1024);
-  const uint64_t dv = wgmma::desc_sw128(k_base + CG * 4 * (kTileN * 128), kTileN * 128, 1024);
-  wgmma::fence();
-#pragma unroll
-  for (int ks = 0; ks < kTileN / 16; ++ks) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float(&od)[64] = reinterpret_cast<float(&)[64]>(acc[half * 16][0]);
-      const uint32_t voff = half * 2 * (kTileN * 128) + ks * 16 * 128;
-      wgmma::wgmma_m64n128k16_bf16_tb(od, dp + ((ks * 32) >> 4), dv + (voff >> 4), true);
-    }
-  }
-  wgmma::commit();
-}
-
 template <int R>
 __device__ __forceinline__ void pv_issue(float (&acc)[Geom<R>::OT][4], uint32_t p_base,
                                          uint32_t k_base, int rg, int cg, int lane) {
   using G = Geom<R>;
   constexpr int OT = G::OT;
   if constexpr (G::kWgmma) {
-    static_assert(OT == 32, "64 heads: O[64, 256] a warpgroup");
-    if (cg == 0)
-      pv_chain<0>(acc, p_base, k_base);
-    else
-      pv_chain<1>(acc, p_base, k_base);
+    // Warpgroup cg: O[64 heads, dims 256 cg ..+256] in two N=128 halves; P K-major, V N-major
+    // (the K tile read with dims contiguous: 64-dim panels 8 KB apart, 8-entry groups 1 KB).
+    const uint64_t dp = wgmma::desc_sw128(p_base, 16, 1024);
+    const uint64_t dv = wgmma::desc_sw128(k_base + cg * 4 * (kTileN * 128), kTileN * 128, 1024);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < kTileN / 16; ++ks) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float(&od)[64] = reinterpret_cast<float(&)[64]>(acc[half * 16][0]);
+        const uint32_t voff = half * 2 * (kTileN * 128) + ks * 16 * 128;
+        wgmma::wgmma_m64n128k16_bf16_tb(od, dp + ((ks * 32) >> 4), dv + (voff >> 4), true);
+      }
+    }
+    wgmma::commit();
   } else {
     static_assert(G::kDimsPerWarp % 64 == 0, "a warp's dims start on a 64-dim panel");
     // Fixed rows and chunk parities again (see scores): P row rg*16 + lane % 16, chunk
@@ -987,10 +963,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
 
   for (int it = 0; it < n; ++it) {
     const int buf = S::kTiles == 2 ? (it & 1) : 0;
-    // (warp_uniform: the tile count comes from per-thread arithmetic, so without it ptxas treats
-    // the buffer parity as per-thread and builds every wgmma descriptor of the tile in vector
-    // registers with 64-bit adds and R2UR moves, ~8 instructions a wgmma.)
-    const uint32_t k_base = warp_uniform(smem_u32(sK + buf * kTileBytes));
+    const uint32_t k_base = smem_u32(sK + buf * kTileBytes);
 
     float s[G::NT][4];
     scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
