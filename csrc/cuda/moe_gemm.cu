@@ -161,13 +161,13 @@ using WgBf16Cfg = WgCfg<false, 2, 128, 2, 1, 2>;
 // float8: prefill (tile 4), wide prefill (tile 2), decode (small, tile 1) and tiny (tile 3).
 // Measured alternatives for the prefill tile (bench/results/h200/moe_gemm_NOTES.md, session 5):
 // two groups in flight at one CTA an SM (222 registers) -20%; one warpgroup x 4 CTAs -7%.
-using WgFp8Cfg = WgCfg<true, 2, 64, 4, 3, 2>;
-using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
-using WgFp8TinyCfg = WgCfg<true, 1, 8, 5, 4, 6>;
+using WgFp8Cfg = WgCfg<true, 2, 64, 5, 3, 2>;
+using WgFp8SmallCfg = WgCfg<true, 1, 32, 6, 4, 4>;
+using WgFp8TinyCfg = WgCfg<true, 1, 8, 6, 4, 6>;
 // Wide (tile 2, experts of >= 512 rows): 128-token tiles, one CTA an SM (accumulator + partial =
 // 128 registers a thread), each decoded weight feeding twice the tokens: +6-10% over tile 4 with
 // full tiles, -5% with 3/4-full ones (session 6 of moe_gemm_NOTES.md).
-using WgFp8WideCfg = WgCfg<true, 2, 128, 5, 4, 1>;
+using WgFp8WideCfg = WgCfg<true, 2, 128, 6, 4, 1>;
 
 // ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -779,33 +779,32 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       cp_async_commit();
     }
 
-    int rd_slot = 0, wr_slot = C::ahead;
-    // One k stage. bf16: 8 k16 steps, one wgmma group each; step s's A fragment is decoded
-    // (SIMT) into register set s & 1 while step s-1's wgmma runs; wait<1> after each issue
-    // retires the group that read the set the next decode overwrites (and, at a stage's last
-    // step, every group of the stage before); the wgmma of a stage's last step is still running
-    // when the next stage starts. e4m3: the stage's 4 k32 groups as one chain, waited for and
-    // promoted once (the other warpgroups and CTAs of the SM keep the tensor cores busy).
-    [[maybe_unused]] uint32_t a[2][4];
+    if constexpr (!C::fp8) {
+      int rd_slot = 0, wr_slot = C::ahead;
+      // One k stage: 8 k16 steps, one wgmma group each; step s's A fragment is decoded
+      // (SIMT) into register set s & 1 while step s-1's wgmma runs; wait<1> after each issue
+      // retires the group that read the set the next decode overwrites (and, at a stage's last
+      // step, every group of the stage before); the wgmma of a stage's last step is still running
+      // when the next stage starts.
+      uint32_t a[2][4];
 #pragma unroll 1
-    for (int kt = 0; kt < kt_total; ++kt) {
-      if constexpr (C::ahead == C::stages - 1) wgmma::wait<0>();
-      cp_async_wait<C::ahead - 1>();
-      // This thread's copies of stage kt landed -> visible to the tensor cores' async proxy,
-      // then everyone's (the barrier, which also orders every warpgroup's retirement of stage
-      // kt-2 before the refill of its slot below).
-      wgmma::fence_proxy_async();
-      __syncthreads();
-      const int nk = kt + C::ahead;
-      if (nk < kt_total) load_stage(wr_slot, nk);
-      cp_async_commit();
-      const uint8_t* ws = smem + C::b_ring + rd_slot * C::ws_bytes;  // weights, a_scale
-      const uint8_t* wst = ws + sidx * kStripStage;
-      const uint32_t b_base = smem_u32(smem + rd_slot * C::b_bytes);
-      wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
-      rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
+      for (int kt = 0; kt < kt_total; ++kt) {
+        if constexpr (C::ahead == C::stages - 1) wgmma::wait<0>();
+        cp_async_wait<C::ahead - 1>();
+        // This thread's copies of stage kt landed -> visible to the tensor cores' async proxy,
+        // then everyone's (the barrier, which also orders every warpgroup's retirement of stage
+        // kt-2 before the refill of its slot below).
+        wgmma::fence_proxy_async();
+        __syncthreads();
+        const int nk = kt + C::ahead;
+        if (nk < kt_total) load_stage(wr_slot, nk);
+        cp_async_commit();
+        const uint8_t* ws = smem + C::b_ring + rd_slot * C::ws_bytes;  // weights, a_scale
+        const uint8_t* wst = ws + sidx * kStripStage;
+        const uint32_t b_base = smem_u32(smem + rd_slot * C::b_bytes);
+        wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
+        rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
 
-      if constexpr (!C::fp8) {
         uint4 wq[2];
         uint32_t m1[2][4], m2[2][4];
 #pragma unroll
@@ -834,17 +833,43 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           wgmma::commit();
           wgmma::wait<1>();
         }
-      } else {
-        // e4m3, W4A8: per row, base b = the largest of its 4 scale bytes in the stage; the
-        // weights decoded to e4m3 through the byte table of e = s - b + 6; the 4 k32 groups as
-        // one wgmma chain; one promotion acc = fma(partial * 2^(b - 133), a_scale, acc).
-        // (The token scales are re-read from shared memory rather than held: at 64 tokens 16 more
-        // registers would not fit two CTAs an SM.)
-        const float* sst = reinterpret_cast<const float*>(ws + C::w_bytes);
-        const uint4 wq[2] = {*reinterpret_cast<const uint4*>(wst + lane * 16),
-                             *reinterpret_cast<const uint4*>(wst + kBlk + lane * 16)};
-        const uint32_t sc[2] = {*reinterpret_cast<const uint32_t*>(wst + 512 + g * 4),
-                                *reinterpret_cast<const uint32_t*>(wst + kBlk + 512 + g * 4)};
+      }
+    } else {
+      // e4m3, W4A8: per row, base b = the largest of its 4 scale bytes in the stage; the weights
+      // decoded to e4m3 through the byte table of e = s - b + 6; the 4 k32 groups as one wgmma
+      // chain; one promotion acc = fma(partial * 2^(b - 133), a_scale, acc). The loop is skewed by
+      // one stage so the chain of stage kt runs on the tensor cores while the warps wait for stage
+      // kt+1 (cp.async wait and the CTA barrier), issue the copies of a later stage and read stage
+      // kt+1's weights and scale bytes into registers; only the promotion waits for the chain.
+      // So two stages are live in the ring at the barrier (kt: its token scales, kt+1: read), and
+      // loads run ahead <= stages - 2.
+      static_assert(C::ahead <= C::stages - 2, "float8: stages kt and kt+1 live at a refill");
+      // (The token scales are re-read from shared memory rather than held: at 64 tokens 16 more
+      // registers would not fit two CTAs an SM.)
+      auto read_stage = [&](int slot_idx, uint4 (&wq)[2], uint32_t (&sc)[2]) {
+        const uint8_t* wst = smem + C::b_ring + slot_idx * C::ws_bytes + sidx * kStripStage;
+        wq[0] = *reinterpret_cast<const uint4*>(wst + lane * 16);
+        wq[1] = *reinterpret_cast<const uint4*>(wst + kBlk + lane * 16);
+        sc[0] = *reinterpret_cast<const uint32_t*>(wst + 512 + g * 4);
+        sc[1] = *reinterpret_cast<const uint32_t*>(wst + kBlk + 512 + g * 4);
+      };
+      // This thread's copies of the oldest pending stage landed -> visible to the tensor cores'
+      // async proxy, then everyone's (the barrier, which also orders every warp's last reads of the
+      // slot refilled next: the promotion of stage kt-1 reads its token scales).
+      auto stage_landed = [&]() {
+        cp_async_wait<C::ahead - 1>();
+        wgmma::fence_proxy_async();
+        __syncthreads();
+      };
+      stage_landed();  // stage 0
+      if (C::ahead < kt_total) load_stage(C::ahead, C::ahead);
+      cp_async_commit();
+      int rd_slot = 0, wr_slot = C::ahead + 1 == C::stages ? 0 : C::ahead + 1;
+      uint4 wq[2];
+      uint32_t sc[2];
+      read_stage(0, wq, sc);
+#pragma unroll 1
+      for (int kt = 0; kt < kt_total; ++kt) {
         // A row's four scale bytes (groups q = 0..3), its base, and the byte differences b - s
         // (no borrows: b is the largest byte), which index the byte tables.
         const uint32_t sg = __byte_perm(sc[0], sc[1], 0x5410u);  // row g
@@ -864,6 +889,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         }
         // (No zeroing: the chain's first wgmma, accumulate = false, ignores the registers.)
         float part[C::acc_regs];
+        const uint32_t b_base = smem_u32(smem + rd_slot * C::b_bytes);
         wgmma::fence();
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -872,8 +898,21 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           wgmma::wgmma_e4m3_rs<C::bm>(part, f[q], desc[0], q > 0);
         }
         wgmma::commit();
+        // While the chain runs: stage kt+1 in, a later stage's copies out, its registers read.
+        const int cur_slot = rd_slot;
+        rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
+        if (kt + 1 < kt_total) {
+          stage_landed();
+          const int nk = kt + 1 + C::ahead;
+          if (nk < kt_total) load_stage(wr_slot, nk);
+          cp_async_commit();
+          wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
+          read_stage(rd_slot, wq, sc);
+        }
         wgmma::wait<0>();
         wgmma::fence_operands(part);
+        const float* sst =
+            reinterpret_cast<const float*>(smem + C::b_ring + cur_slot * C::ws_bytes + C::w_bytes);
         const float fg = exp2_b_minus_133(bg), f8 = exp2_b_minus_133(b8);
 #pragma unroll
         for (int j = 0; j < C::bm / 8; ++j) {  // this thread's tokens 8 j + 2 t (+1)
