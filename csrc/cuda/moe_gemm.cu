@@ -127,7 +127,8 @@ using LargeCfg = Cfg<4, 2, 4, 8, 3, 1>;
 // that is the stage just before, whose last wgmma the warpgroups wait for (wait<0>) before the
 // stage's barrier (float8 waits for every group inside its stage anyway); with fewer ahead it was
 // retired by the waits of the stage before, and the tensor cores never drain.
-template <bool kFp8, int kGroups, int kBM, int kStages, int kAhead, int kMinBlocks>
+template <bool kFp8, int kGroups, int kBM, int kStages, int kAhead, int kMinBlocks,
+          bool kSkew = false>
 struct WgCfg {
   static constexpr bool wgmma = true;
   static constexpr bool fp8 = kFp8;
@@ -135,6 +136,7 @@ struct WgCfg {
   static constexpr int strips = 4 * kGroups;      // 64 weight rows per warpgroup
   static constexpr int bm = kBM;                  // tokens per CTA tile (wgmma N)
   static constexpr int stages = kStages, ahead = kAhead, min_blocks = kMinBlocks;
+  static constexpr bool skew = kSkew;  // float8: the stage loop skewed by one stage (see kernel)
   static constexpr int w_bytes = strips * kStripStage;
   static constexpr int b_row_bytes = kBK * (fp8 ? 1 : 2);  // one token's k block: 1 or 2 panels
   static constexpr int b_bytes = bm * b_row_bytes;
@@ -161,13 +163,13 @@ using WgBf16Cfg = WgCfg<false, 2, 128, 2, 1, 2>;
 // float8: prefill (tile 4), wide prefill (tile 2), decode (small, tile 1) and tiny (tile 3).
 // Measured alternatives for the prefill tile (bench/results/h200/moe_gemm_NOTES.md, session 5):
 // two groups in flight at one CTA an SM (222 registers) -20%; one warpgroup x 4 CTAs -7%.
-using WgFp8Cfg = WgCfg<true, 2, 64, 5, 3, 2>;
-using WgFp8SmallCfg = WgCfg<true, 1, 32, 6, 4, 4>;
-using WgFp8TinyCfg = WgCfg<true, 1, 8, 6, 4, 6>;
+using WgFp8Cfg = WgCfg<true, 2, 64, 5, 3, 2, true>;
+using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
+using WgFp8TinyCfg = WgCfg<true, 1, 8, 5, 4, 6>;
 // Wide (tile 2, experts of >= 512 rows): 128-token tiles, one CTA an SM (accumulator + partial =
 // 128 registers a thread), each decoded weight feeding twice the tokens: +6-10% over tile 4 with
 // full tiles, -5% with 3/4-full ones (session 6 of moe_gemm_NOTES.md).
-using WgFp8WideCfg = WgCfg<true, 2, 128, 6, 4, 1>;
+using WgFp8WideCfg = WgCfg<true, 2, 128, 6, 4, 1, true>;
 
 // ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
@@ -837,13 +839,15 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     } else {
       // e4m3, W4A8: per row, base b = the largest of its 4 scale bytes in the stage; the weights
       // decoded to e4m3 through the byte table of e = s - b + 6; the 4 k32 groups as one wgmma
-      // chain; one promotion acc = fma(partial * 2^(b - 133), a_scale, acc). The loop is skewed by
-      // one stage so the chain of stage kt runs on the tensor cores while the warps wait for stage
-      // kt+1 (cp.async wait and the CTA barrier), issue the copies of a later stage and read stage
-      // kt+1's weights and scale bytes into registers; only the promotion waits for the chain.
-      // So two stages are live in the ring at the barrier (kt: its token scales, kt+1: read), and
-      // loads run ahead <= stages - 2.
-      static_assert(C::ahead <= C::stages - 2, "float8: stages kt and kt+1 live at a refill");
+      // chain; one promotion acc = fma(partial * 2^(b - 133), a_scale, acc). The prefill tiles
+      // (C::skew) run the loop skewed by one stage: the chain of stage kt runs on the tensor cores
+      // while the warps wait for stage kt+1 (cp.async wait and the CTA barrier), refill the ring
+      // and read kt+1's weights and scale bytes; only the promotion waits for the chain. Two
+      // stages are then live at a refill (kt: its token scales, kt+1), so loads run ahead <=
+      // stages - 2. (Measured on the H200: +8-15% with 64- and 128-token tiles; -4 to -9% with
+      // the 8- and 32-token decode tiles, whose chains are too short to hide anything.)
+      static_assert(C::ahead <= C::stages - 1 - (C::skew ? 1 : 0),
+                    "float8: the stages live at a refill stay out of its slot");
       // (The token scales are re-read from shared memory rather than held: at 64 tokens 16 more
       // registers would not fit two CTAs an SM.)
       auto read_stage = [&](int slot_idx, uint4 (&wq)[2], uint32_t (&sc)[2]) {
@@ -861,15 +865,22 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         wgmma::fence_proxy_async();
         __syncthreads();
       };
-      stage_landed();  // stage 0
-      if (C::ahead < kt_total) load_stage(C::ahead, C::ahead);
-      cp_async_commit();
-      int rd_slot = 0, wr_slot = C::ahead + 1 == C::stages ? 0 : C::ahead + 1;
+      int rd_slot = 0, wr_slot = C::ahead;
       uint4 wq[2];
       uint32_t sc[2];
-      read_stage(0, wq, sc);
+      // Stage st (in slot st_slot) in: wait for it, refill the ring with stage st + ahead, read
+      // st's weight words and scale bytes into registers.
+      auto next_stage = [&](int st, int st_slot) {
+        stage_landed();
+        if (st + C::ahead < kt_total) load_stage(wr_slot, st + C::ahead);
+        cp_async_commit();
+        wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
+        read_stage(st_slot, wq, sc);
+      };
+      if constexpr (C::skew) next_stage(0, 0);
 #pragma unroll 1
       for (int kt = 0; kt < kt_total; ++kt) {
+        if constexpr (!C::skew) next_stage(kt, rd_slot);
         // A row's four scale bytes (groups q = 0..3), its base, and the byte differences b - s
         // (no borrows: b is the largest byte), which index the byte tables.
         const uint32_t sg = __byte_perm(sc[0], sc[1], 0x5410u);  // row g
@@ -898,17 +909,11 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           wgmma::wgmma_e4m3_rs<C::bm>(part, f[q], desc[0], q > 0);
         }
         wgmma::commit();
-        // While the chain runs: stage kt+1 in, a later stage's copies out, its registers read.
         const int cur_slot = rd_slot;
         rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
-        if (kt + 1 < kt_total) {
-          stage_landed();
-          const int nk = kt + 1 + C::ahead;
-          if (nk < kt_total) load_stage(wr_slot, nk);
-          cp_async_commit();
-          wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
-          read_stage(rd_slot, wq, sc);
-        }
+        // Skewed: while the chain runs, stage kt+1 in, a later stage's copies out.
+        if constexpr (C::skew)
+          if (kt + 1 < kt_total) next_stage(kt + 1, rd_slot);
         wgmma::wait<0>();
         wgmma::fence_operands(part);
         const float* sst =
