@@ -137,6 +137,7 @@ struct WgCfg {
   static constexpr int bm = kBM;                  // tokens per CTA tile (wgmma N)
   static constexpr int stages = kStages, ahead = kAhead, min_blocks = kMinBlocks;
   static constexpr bool skew = kSkew;  // float8: the stage loop skewed by one stage (see kernel)
+  static_assert(!skew || fp8, "only the float8 stage loop has a skewed form");
   static constexpr int w_bytes = strips * kStripStage;
   static constexpr int b_row_bytes = kBK * (fp8 ? 1 : 2);  // one token's k block: 1 or 2 panels
   static constexpr int b_bytes = bm * b_row_bytes;
@@ -781,6 +782,14 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       cp_async_commit();
     }
 
+    // This thread's copies of the oldest pending stage landed -> visible to the tensor cores'
+    // async proxy, then everyone's (the barrier, which also orders every warp's last reads of the
+    // slot refilled next).
+    auto stage_landed = [&]() {
+      cp_async_wait<C::ahead - 1>();
+      wgmma::fence_proxy_async();
+      __syncthreads();
+    };
     if constexpr (!C::fp8) {
       int rd_slot = 0, wr_slot = C::ahead;
       // One k stage: 8 k16 steps, one wgmma group each; step s's A fragment is decoded
@@ -791,13 +800,10 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       uint32_t a[2][4];
 #pragma unroll 1
       for (int kt = 0; kt < kt_total; ++kt) {
+        // (The refill below reuses the slot of stage kt-1: its last wgmma group retired here or,
+        // with fewer stages ahead, at the stage before.)
         if constexpr (C::ahead == C::stages - 1) wgmma::wait<0>();
-        cp_async_wait<C::ahead - 1>();
-        // This thread's copies of stage kt landed -> visible to the tensor cores' async proxy,
-        // then everyone's (the barrier, which also orders every warpgroup's retirement of stage
-        // kt-2 before the refill of its slot below).
-        wgmma::fence_proxy_async();
-        __syncthreads();
+        stage_landed();  // stage kt
         const int nk = kt + C::ahead;
         if (nk < kt_total) load_stage(wr_slot, nk);
         cp_async_commit();
@@ -850,32 +856,22 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
                     "float8: the stages live at a refill stay out of its slot");
       // (The token scales are re-read from shared memory rather than held: at 64 tokens 16 more
       // registers would not fit two CTAs an SM.)
-      auto read_stage = [&](int slot_idx, uint4 (&wq)[2], uint32_t (&sc)[2]) {
-        const uint8_t* wst = smem + C::b_ring + slot_idx * C::ws_bytes + sidx * kStripStage;
-        wq[0] = *reinterpret_cast<const uint4*>(wst + lane * 16);
-        wq[1] = *reinterpret_cast<const uint4*>(wst + kBlk + lane * 16);
-        sc[0] = *reinterpret_cast<const uint32_t*>(wst + 512 + g * 4);
-        sc[1] = *reinterpret_cast<const uint32_t*>(wst + kBlk + 512 + g * 4);
-      };
-      // This thread's copies of the oldest pending stage landed -> visible to the tensor cores'
-      // async proxy, then everyone's (the barrier, which also orders every warp's last reads of the
-      // slot refilled next: the promotion of stage kt-1 reads its token scales).
-      auto stage_landed = [&]() {
-        cp_async_wait<C::ahead - 1>();
-        wgmma::fence_proxy_async();
-        __syncthreads();
-      };
       int rd_slot = 0, wr_slot = C::ahead;
       uint4 wq[2];
       uint32_t sc[2];
-      // Stage st (in slot st_slot) in: wait for it, refill the ring with stage st + ahead, read
-      // st's weight words and scale bytes into registers.
+      // Stage st (in slot st_slot) in: wait for it (the barrier also retires the promotion of
+      // stage st-2's reads of its token scales, whose slot is refilled next), refill the ring with
+      // stage st + ahead, read st's weight words and scale bytes into registers.
       auto next_stage = [&](int st, int st_slot) {
         stage_landed();
         if (st + C::ahead < kt_total) load_stage(wr_slot, st + C::ahead);
         cp_async_commit();
         wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
-        read_stage(st_slot, wq, sc);
+        const uint8_t* wst = smem + C::b_ring + st_slot * C::ws_bytes + sidx * kStripStage;
+        wq[0] = *reinterpret_cast<const uint4*>(wst + lane * 16);
+        wq[1] = *reinterpret_cast<const uint4*>(wst + kBlk + lane * 16);
+        sc[0] = *reinterpret_cast<const uint32_t*>(wst + 512 + g * 4);
+        sc[1] = *reinterpret_cast<const uint32_t*>(wst + kBlk + 512 + g * 4);
       };
       if constexpr (C::skew) next_stage(0, 0);
 #pragma unroll 1
