@@ -6,7 +6,8 @@ at a few batch sizes. A least-squares line through the points of one batch and o
 gives time = fixed + tiles * per_tile. Prints a table; writes nothing (an exploration aid for
 bench/results/h200/sparse_mla_NOTES.md, not a benchmark of record).
 
-  python3 bench/probe_sparse_mla_tiles.py [fp8|bf16] [batch ...]      (default fp8, 64 128 256)
+  python3 bench/probe_sparse_mla_tiles.py [fp8|bf16] [hHEADS] [--no-overheads] [batch ...]
+  (default fp8, h64, 64 128 256)
 ZEROINFER_MLA_KERNEL is honoured where the build has more than one FP8 kernel.
 """
 
@@ -47,14 +48,47 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return a, b
 
 
+def overheads(fmt: str, gen: torch.Generator) -> None:
+    """What the timing itself contains: a one-element op replayed as a graph (launch + events),
+    and the b = 128 call with the L2 left warm, flushed by the memset (the benchmark's way, which
+    leaves the L2 full of dirty lines), or flushed by a read (clean lines)."""
+    tiny = torch.zeros(1, device="cuda")
+    print(f"null graph (L2 flushed): {bench.time_cuda_graph(lambda: tiny.add_(1)) * 1e6:.2f} us")
+    kw, _ = make_inputs(128, HEADS, fmt, "cuda", gen)
+    out, lse = sparse_mla_attention(**kw)
+    fn = lambda: sparse_mla_attention(**kw, out=out, lse=lse)  # noqa: E731
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    warm = bench.time_cuda(g.replay, flush_l2=False)
+    memset = bench.time_cuda(g.replay)
+    buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda").random_()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(30)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(30)]
+    for s, e in zip(starts, ends):
+        buf.view(torch.int64).sum()
+        s.record()
+        g.replay()
+        e.record()
+    torch.cuda.synchronize()
+    read = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[15] * 1e3
+    print(f"b 128: L2 warm {warm * 1e6:.1f} us, memset flush {memset * 1e6:.1f} us, "
+          f"read flush {read:.1f} us")
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("probe_sparse_mla_tiles.py needs a CUDA GPU")
     args = sys.argv[1:]
     fmt = "bf16" if "bf16" in args else "fp8"
+    global HEADS
+    HEADS = next((int(a[1:]) for a in args if a.startswith("h")), HEADS)
+    skip_overheads = "--no-overheads" in args
     batches = [int(a) for a in args if a.isdigit()] or [64, 128, 256]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if not skip_overheads:
+        overheads(fmt, gen)
     print(f"{fmt} cache, {HEADS} heads, s_q 1; time_us with L2 flushed")
     print(f"{'batch':>5} {'L':>4} {'tiles':>5} {'splits':>6} {'time_us':>8}")
     for batch in batches:
@@ -64,7 +98,9 @@ def main() -> None:
             call = cut(kw, length)
             splits, tiles_per_cta, _ = _C.sparse_mla_cuda_plan(batch, HEADS, length, sms,
                                                                 fp8=fmt == "fp8")
-            t = bench.time_cuda(lambda: sparse_mla_attention(**call))  # noqa: B023
+            out, lse = sparse_mla_attention(**call)
+            t = bench.time_cuda_graph(
+                lambda: sparse_mla_attention(**call, out=out, lse=lse)) * 1e6  # noqa: B023
             tiles = -(-length // 64)
             by_plan.setdefault(splits, []).append((tiles_per_cta, t))
             print(f"{batch:5d} {length:4d} {tiles:5d} {splits:6d} {t:8.2f}")
