@@ -6,6 +6,7 @@
 #   e.g.   bash bench/profile_run.sh sparse_mla_fp8 bench/profile_sparse_mla.py 256 64 fp8
 set -uo pipefail
 OUT=${OUT:-/tmp/zeroinfer-out}
+mkdir -p "$OUT"
 regex=$1; shift
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 ncu --clock-control none --set full --import-source no -k "regex:$regex" -c 1 -f -o "$OUT/prof" \

@@ -255,14 +255,6 @@ __device__ __forceinline__ RowRef resolve(const KernelArgs& a, int32_t slot, int
   return r;
 }
 
-// Pull a bf16 row (1024 bytes, 8 lines) into L2 ahead of its cp.asyncs.
-__device__ __forceinline__ void prefetch_bf16_row(const RowRef& ref) {
-  if (ref.row == nullptr) return;
-#pragma unroll
-  for (int l = 0; l < kRowBytes / 128; ++l)
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.row + l * 128));
-}
-
 // Issue the cp.asyncs of one bf16 tile from the published RowRefs into the swizzled tile.
 // Skipped entries are zero-filled (src-size 0 reads nothing; `dummy` is any valid address, since
 // an empty cache's data pointer may be null). Thread `tid` of kThreads.
@@ -852,30 +844,28 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
   float sinks[2];
   load_sinks(a, w, sinks);
 
+  load_q<R>(a, t, head0, sQ);
+
   // Tile `it` of this split lives in buffer it % 2, its validity flags in sValid[it % 2].
-  // Threads 0..63 own one list entry each: a tile's slots are fetched two iterations before its
-  // copies are issued, and its rows are prefetched into L2 one iteration before, so that two
-  // tiles' rows are on their way while one is computed (the double buffer alone keeps one).
+  // Threads 0..63 own one list entry each: they fetch the slots of a tile one iteration before
+  // its copies are issued.
   const bool owner = threadIdx.x < kTileN;
   auto publish = [&](int32_t slot, int which, int stage) {
     sRefs[threadIdx.x] = resolve<false>(a, slot, which);
     sValid[stage * kTileN + threadIdx.x] = slot >= 0;
   };
-  int32_t pf_slot = -1, pf2_slot = -1;  // tiles it+1 and it+2
-  int pf_which = 0, pf2_which = 0;
-  // Prologue: tile 0's slots before anything else (the chain index -> row is the longest), then
-  // its copies and Q's in one group.
+  int32_t pf_slot = -1;
+  int pf_which = 0;
+  // Prologue: tile 0 (the Q copies join its group).
   if (owner) {
     fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
     publish(pf_slot, pf_which, 0);
-    fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
-    fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf2_slot, pf2_which);
   }
   __syncthreads();
   if (n > 0) load_tile_bf16<kThreads>(sRefs, a.q, sK, threadIdx.x);
-  load_q<R>(a, t, head0, sQ);
   cp_async_commit();
   __syncthreads();  // sRefs is reused below
+  if (owner) fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
 
   float acc[G::OT][4];
 #pragma unroll
@@ -894,10 +884,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
     const int ahead = it + 1;  // the tile whose copies are issued now
     if (owner) {
       publish(pf_slot, pf_which, ahead % kStages);
-      prefetch_bf16_row(resolve<false>(a, pf2_slot, pf2_which));  // tile it+2
-      pf_slot = pf2_slot;
-      pf_which = pf2_which;
-      fetch_slot(a, t, tile_begin + ahead + 2, tile_end, threadIdx.x, pf2_slot, pf2_which);
+      fetch_slot(a, t, tile_begin + ahead + 1, tile_end, threadIdx.x, pf_slot, pf_which);
     }
     __syncthreads();  // sRefs published
     if (ahead < n)
@@ -940,6 +927,9 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
   float sinks[2];
   load_sinks(a, w, sinks);
 
+  load_q<R>(a, t, head0, sQ);
+  cp_async_commit();
+
   // Entries travel down a pipeline: tile j's slot is fetched at iteration j-4, resolved and its
   // row prefetched into L2 at j-3, loaded into registers at j-2 and dequantised at j-1.
   // Prologue: tile 0 dequantised, tile 1 in registers, tile 2 prefetched, tile 3's slot fetched.
@@ -956,10 +946,6 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
   load_fp8_row(rows, ref0, q);
   prefetch_fp8_row<kP>(ref1, q);
   prefetch_fp8_row<kP>(ref_load, q);
-  // Q after the first rows' loads: the dependent chain index -> row is the prologue's longest,
-  // so its requests go out first and Q's 16R x 1 KB stream in behind them.
-  load_q<R>(a, t, head0, sQ);
-  cp_async_commit();
   store_fp8_row(rows, sK, e, q);
   if (q == 0) sValid[e] = rows.valid;
   cp_async_wait<0>();
