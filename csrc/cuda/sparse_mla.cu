@@ -12,7 +12,9 @@
 //     it exactly with bit moves and one bf16x2 multiply a pair, into the tile the MMA does not
 //     read at the moment (two tiles; one for 16 heads, so that two CTAs share an SM).
 // Warps are arranged R x C:
-//   S = Q K^T   warp (rg, cg) computes heads rg*16.. over entries cg*(64/C).. (all 512 dims),
+//   S = Q K^T   warp (rg, cg) ends with heads rg*16.. over entries cg*(64/C).. (all 512 dims;
+//               with C = 8 computed as partials over half of the dims and 16 entries, summed
+//               through shared memory, so that the row group's Q is read twice, not 8 times),
 //   softmax     row maxima exchanged through shared memory within the row group; the running
 //               max moves lazily (only when it grows by more than 2^8),
 //   O += P V    P goes through shared memory; warp (rg, cg) owns output dims cg*(512/C)..
@@ -569,7 +571,12 @@ struct Smem {
   static constexpr int kRefs = kRed + 2 * R * 16 * kC * 4;     // [64] RowRef (bf16)
   static constexpr int kValid = kRefs + kTileN * 16;           // [2][64] int
   static constexpr int kXchg = kValid + 2 * kTileN * 4;        // wgmma S halves [2][128][16]
-  static constexpr int kBytes = kXchg + (R == 4 ? 2 * 128 * 16 * 4 : 0);
+  // wgmma: S halves [2][128][16] floats; mma.sync: partial S [R][2 dim halves][16][kXPitch].
+  // Floats a row: 8 mod 32, so a half-warp's float2 accesses (rows g, columns 2 q4) cover 32
+  // distinct banks.
+  static constexpr int kXPitch = kTileN + 8;
+  static constexpr int kBytes =
+      kXchg + (R == 4 ? 2 * 128 * 16 * 4 : R * 2 * 16 * kXPitch * 4);
   static constexpr int kAlloc = kBytes + 1024;  // slack to align the base to 1024 bytes
   static_assert(R != 4 || (kK % 1024 == 0 && kP % 1024 == 0),
                 "wgmma operands must start on 1024-byte boundaries");
@@ -628,6 +635,58 @@ __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_ba
         s[i][x] = first ? own + o[x] : o[x] + own;
       }
     }
+  } else if constexpr (NT == 1 && G::C == 8) {
+    // 16 or 32 heads (8 warps a row group): were each warp to take its 8 entries over all 512
+    // dims, every warp would read the whole Q of its row group from shared memory each tile
+    // (8x Q, the kernel's largest shared-memory stream, and one ldmatrix of Q per mma). Instead
+    // warp cg computes a partial S over entries 16 (cg / 2) ..+16 and dims 256 (cg % 2) ..+256
+    // (Q read twice in all, one Q ldmatrix per two mmas), the partials meet in `xchg`, and each
+    // warp sums the two halves of its own 8 entries, dims 0..255 first (fixed order).
+    constexpr int kPitch = Smem<R, false>::kXPitch;
+    const int eq = cg >> 1, dh = cg & 1;
+    float sa[2][2][4];  // [k-step parity][n8 tile][fragment]
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) sa[u][j][0] = sa[u][j][1] = sa[u][j][2] = sa[u][j][3] = 0.f;
+    const int qrow = rg * 16 + (lane & 15), qhi = lane >> 4;
+    const int krow = 16 * eq + (lane & 7) + ((lane >> 4) << 3), khi = (lane >> 3) & 1;
+    uint32_t qa[4], ka[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // dims 256 dh.. start 4 panels in
+      qa[j] = q_base + dh * 4 * (G::kHeads * 128) + qrow * 128 +
+              ((((2 * j) | qhi) ^ (qrow & 7)) << 4);
+      ka[j] = k_base + dh * 4 * (kTileN * 128) + krow * 128 + ((((2 * j) | khi) ^ (krow & 7)) << 4);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kDim / 32; ++kk) {
+      uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+      ldsm_x4(qa[kk & 3] + (kk >> 2) * (G::kHeads * 128), a0, a1, a2, a3);
+      ldsm_x4(ka[kk & 3] + (kk >> 2) * (kTileN * 128), b0, b1, b2, b3);
+      mma_bf16(sa[kk & 1][0], a0, a1, a2, a3, b0, b1);
+      mma_bf16(sa[kk & 1][1], a0, a1, a2, a3, b2, b3);
+    }
+    const int g = lane >> 2, q4 = lane & 3;
+    float* part = xchg + (rg * 2 + dh) * 16 * kPitch;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = 16 * eq + 8 * j + 2 * q4;
+      *reinterpret_cast<float2*>(part + g * kPitch + col) =
+          make_float2(sa[0][j][0] + sa[1][j][0], sa[0][j][1] + sa[1][j][1]);
+      *reinterpret_cast<float2*>(part + (g + 8) * kPitch + col) =
+          make_float2(sa[0][j][2] + sa[1][j][2], sa[0][j][3] + sa[1][j][3]);
+    }
+    row_group_sync<G::C>(rg);
+    const float* p0 = xchg + (rg * 2) * 16 * kPitch + 8 * cg + 2 * q4;
+    const float* p1 = p0 + 16 * kPitch;
+    const float2 lo0 = *reinterpret_cast<const float2*>(p0 + g * kPitch);
+    const float2 hi0 = *reinterpret_cast<const float2*>(p0 + (g + 8) * kPitch);
+    const float2 lo1 = *reinterpret_cast<const float2*>(p1 + g * kPitch);
+    const float2 hi1 = *reinterpret_cast<const float2*>(p1 + (g + 8) * kPitch);
+    s[0][0] = lo0.x + lo1.x;
+    s[0][1] = lo0.y + lo1.y;
+    s[0][2] = hi0.x + hi1.x;
+    s[0][3] = hi0.y + hi1.y;
   } else {
     // kAcc independent accumulator sets over k break the mma dependency chain when a warp has
     // few n8 tiles (one chain per tile otherwise).
