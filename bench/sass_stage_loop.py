@@ -1,7 +1,8 @@
-"""Static instruction count of each MXFP4 GEMM kernel's k-stage loop, from its SASS: the
-instructions from the loop head to the back branch that follows the last tensor-core instruction
-(HMMA / HGMMA / QGMMA), by opcode. A quick, device-free check of what a change does to the SIMT
-work per stage (e.g. WIP_WG_LOADS.md on branch wip/wg-load-by-warp).
+"""Static instruction count of each MXFP4 GEMM kernel's k-stage loop(s), from its SASS: the
+instructions from the head to the back branch of each innermost loop that holds tensor-core
+instructions (HMMA / HGMMA / QGMMA), by opcode; a kernel with two stage loops (W4A8: per-stage
+and row bases) prints both, in code order. A quick, device-free check of what a change does to
+the SIMT work per stage (e.g. WIP_WG_LOADS.md on branch wip/wg-load-by-warp).
 
   python3 bench/sass_stage_loop.py [kernel.cu] [--top N]
 needs nvcc and cuobjdump + nvdisasm on PATH (pip wheels nvidia-cuda-cuobjdump and
@@ -20,22 +21,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def stage_loops(sass: str):
-    """(kernel name, [instruction text]) of each function whose loop holds tensor-core ops."""
+    """(kernel name, [instruction text]) of each innermost loop that holds tensor-core ops, in
+    code order (a kernel may run one of several stage loops, e.g. the W4A8 row-base one)."""
     for func in re.split(r"\n\s*Function : ", sass)[1:]:
         name = func.split("\n", 1)[0].strip()
         ins = [(int(m.group(1), 16), m.group(2).strip())
                for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", func)]
         mma = [i for i, (_, t) in enumerate(ins) if re.search(r"\b(HMMA|HGMMA|QGMMA)\b", t)]
-        if not mma:
-            continue
-        first = ins[mma[0]][0]
-        for j in range(mma[-1], len(ins)):
-            m = re.search(r"BRA (?:`\()?0x([0-9a-f]+)", ins[j][1])
-            if m and int(m.group(1), 16) < first:
-                head = int(m.group(1), 16)
-                start = next(i for i, (a, _) in enumerate(ins) if a == head)
+        loops = []  # (head index, back branch index) of each backward branch around an mma
+        for j, (_, t) in enumerate(ins):
+            m = re.search(r"BRA (?:`\()?0x([0-9a-f]+)", t)
+            if not m or int(m.group(1), 16) >= ins[j][0]:
+                continue
+            head = int(m.group(1), 16)
+            start = next(i for i, (a, _) in enumerate(ins) if a == head)
+            if any(start <= i <= j for i in mma):
+                loops.append((start, j))
+        for start, j in loops:
+            if not any(start <= s2 and j2 <= j and (s2, j2) != (start, j) for s2, j2 in loops):
                 yield name, [t for _, t in ins[start:j + 1]]
-                break
 
 
 def opcode(text: str) -> str:

@@ -63,9 +63,9 @@ void register_moe_gemm(py::module_& m) {
       py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"));
   def(m,
       "mxfp4_grouped_gemm_cuda",
-      [](uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t w_packed, int64_t n_pad,
-         int64_t k_pad, bool gate_up_interleaved, bool fp8_layout, bool wide_scales,
-         uintptr_t expert_offsets,
+      [](uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t w_packed, uintptr_t row_base,
+         int64_t n_pad, int64_t k_pad, bool gate_up_interleaved, bool fp8_layout,
+         bool wide_scales, uintptr_t expert_offsets,
          uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out, int out_dtype,
          int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k, bool fuse_swiglu,
          std::optional<double> swiglu_limit, int tile, uintptr_t a_kslot, uintptr_t stream) {
@@ -74,6 +74,7 @@ void register_moe_gemm(py::module_& m) {
         set_common(p, a, a_dtype, a_scale, expert_offsets, expert_counts, masked_m, out,
                    out_dtype, num_experts, m_rows, cap, n, k, fuse_swiglu, swiglu_limit);
         p.w_packed = as_ptr<const uint8_t>(w_packed);
+        p.row_base = as_ptr<const uint8_t>(row_base);
         p.n_pad = n_pad;
         p.k_pad = k_pad;
         p.gate_up_interleaved = gate_up_interleaved;
@@ -84,7 +85,8 @@ void register_moe_gemm(py::module_& m) {
         py::gil_scoped_release nogil;
         mxfp4_grouped_gemm_cuda(p, as_ptr<void>(stream));
 #else
-        (void)a, (void)a_dtype, (void)a_scale, (void)w_packed, (void)n_pad, (void)k_pad;
+        (void)a, (void)a_dtype, (void)a_scale, (void)w_packed, (void)row_base, (void)n_pad;
+        (void)k_pad;
         (void)gate_up_interleaved, (void)fp8_layout, (void)wide_scales, (void)expert_offsets;
         (void)expert_counts;
         (void)masked_m, (void)out, (void)out_dtype, (void)num_experts, (void)m_rows, (void)cap;
@@ -95,9 +97,9 @@ void register_moe_gemm(py::module_& m) {
       },
       "MXFP4 grouped GEMM, CUDA (packed weights from zeroinfer.ops.mxfp4_prepack; see "
       "zeroinfer.ops.mxfp4_grouped_gemm; no validation of tensor sizes here)",
-      py::arg("a"), py::arg("a_dtype"), py::arg("a_scale"), py::arg("w_packed"), py::arg("n_pad"),
-      py::arg("k_pad"), py::arg("gate_up_interleaved"), py::arg("fp8_layout"),
-      py::arg("wide_scales"),
+      py::arg("a"), py::arg("a_dtype"), py::arg("a_scale"), py::arg("w_packed"),
+      py::arg("row_base"), py::arg("n_pad"), py::arg("k_pad"), py::arg("gate_up_interleaved"),
+      py::arg("fp8_layout"), py::arg("wide_scales"),
       py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("masked_m"), py::arg("out"),
       py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
       py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"), py::arg("tile"),
@@ -122,6 +124,10 @@ void register_moe_gemm(py::module_& m) {
   m.attr("MXFP4_PACK_ROWS") = kMxfp4PackRows;
   m.attr("MXFP4_PACK_K") = kMxfp4PackK;
   m.attr("MXFP4_CUDA_MAX_EXPERTS") = kMxfp4CudaMaxExperts;
+  m.attr("MXFP4_ROW_BASE_MIN") = kMxfp4RowBaseMin;
+  m.attr("MXFP4_ROW_BASE_MAX") = kMxfp4RowBaseMax;
+  m.attr("MXFP4_ROW_BASE_SPREAD") = kMxfp4RowBaseSpread;
+  m.attr("MXFP4_ROW_BASE_GROUP") = kMxfp4RowBaseGroup;
 }
 
 }  // namespace zi::bindings

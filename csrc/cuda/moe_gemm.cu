@@ -16,9 +16,13 @@
 //     zeroinfer/moe_gemm.h): per weight row and 128-k stage, base b = its largest UE8M0 byte;
 //     each e2m1 value becomes the e4m3 value * 2^(s-b+6) through a byte table (a prmt and a
 //     LOP3 a register), the stage's four k32 groups run as one wgmma m64nNk32 chain from zero, then
-//     acc = fma(partial * 2^(b-133), a_scale, acc) in float32, in k order. Always wgmma: Hopper's
-//     float8 wgmma rounds differently from mma.sync m16n8k32 (measured ~4e-4 apart), so one
-//     instruction family keeps every float8 tile bitwise equal.
+//     acc = fma(partial * 2^(b-133), a_scale, acc) in float32, in k order. With a per-row base B
+//     for the whole K (Mxfp4CudaGemmParams::row_base, where the row's scale bytes are within 14
+//     of their largest) the values are e2m1 * 2^(s-B+6) instead and the promotion one fma,
+//     acc = fma(partial, a_scale, acc), with one multiply by 2^(B-133) at the end: every term
+//     2^(b-B) times the above, exactly, so bitwise the same results (caveat in the header).
+//     Always wgmma: Hopper's float8 wgmma rounds differently from mma.sync m16n8k32 (measured
+//     ~4e-4 apart), so one instruction family keeps every float8 tile bitwise equal.
 //
 // K order: the MMA's k index is a permutation of the real k inside every 32-group (weights and
 // activations are permuted alike, so the dot product is unchanged): lane t of a k16 step holds
@@ -51,6 +55,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "block_scan.cuh"
 #include "check.cuh"
@@ -118,7 +123,8 @@ using LargeCfg = Cfg<4, 2, 4, 8, 3, 1>;
 //   e4m3 (every float8 tile: m64 n{bm} k32): the e4m3 fragments are in real k order, so B is `a`
 //     itself. The UE8M0 scales are folded into the e4m3 weights per (row, 128-k stage) (W4A8 in
 //     zeroinfer/moe_gemm.h), so a stage's four k32 groups are ONE wgmma chain and one promotion:
-//     acc = fma(partial * 2^(b - 133), a_scale, acc). Hopper's float8 wgmma sums at a lower
+//     acc = fma(partial * 2^(b - 133), a_scale, acc) (or, with row bases, acc = fma(partial,
+//     a_scale, acc) and one rescale at the end). Hopper's float8 wgmma sums at a lower
 //     precision than mma.sync m16n8k32 does (measured: ~4e-4 relative apart), so float8 runs on
 //     wgmma at every size, decode included, and its tiles stay bitwise equal to each other.
 // Shared memory: a ring of `stages` (B tile, weights[, a_scale column]) stages, loaded `ahead`
@@ -151,6 +157,10 @@ struct WgCfg {
   static_assert(bm % 8 == 0 && b_bytes % 1024 == 0 && ws_bytes % 16 == 0, "ring alignment");
   static_assert(bm <= threads, "one float8 scale row per thread");
   static_assert(strips * 32 == threads, "warp w owns (decodes and loads) strip w");
+  // Every strip of a tile exists (n_pad is a multiple of kMxfp4PackRows) and a warpgroup's
+  // rows are one W4A8 row-base group.
+  static_assert((kMxfp4PackRows / 16) % strips == 0 && kMxfp4RowBaseGroup == 64,
+                "tiles are whole 64-row groups of the packed rows");
   // min_blocks CTAs an SM at V4's 256 experts (the schedule grows with E; the launcher asks the
   // occupancy API for the E at hand).
   static_assert(min_blocks * (pipe_bytes + (3 * 256 + 1) * 4 + 1024) <= 228 * 1024,
@@ -270,6 +280,32 @@ __device__ __forceinline__ float exp2_b_minus_133(uint32_t b) {
   return b == 255u ? __uint_as_float(0x7fc00000u) : __uint_as_float(bits);
 }
 
+// The W4A8 promotion of a stage's wgmma partial into the accumulators (this thread's fragment:
+// c0, c1 row g, c2, c3 row g + 8, tokens 8 j + 2 t, +1; sst: the stage's a_scale column): acc +=
+// partial * 2^(b-133) * a_scale, the factors fg / f8 of rows g / g + 8 applied by a multiply
+// first; kRowBase: the partial is relative to the row base (Mxfp4CudaGemmParams::row_base), so
+// the factor waits for the end of the item (scale_rows) and each output costs one fma.
+template <bool kRowBase, int kN>
+__device__ __forceinline__ void promote_stage(float (&acc)[kN], const float (&part)[kN],
+                                              const float* sst, int t, float fg, float f8) {
+  auto scaled = [](float x, float f) { return kRowBase ? x : x * f; };
+#pragma unroll
+  for (int j = 0; j < kN / 4; ++j) {  // this thread's tokens 8 j + 2 t (+1)
+    const float2 as = *reinterpret_cast<const float2*>(sst + j * 8 + 2 * t);
+    acc[4 * j + 0] = fmaf(scaled(part[4 * j + 0], fg), as.x, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(scaled(part[4 * j + 1], fg), as.y, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(scaled(part[4 * j + 2], f8), as.x, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(scaled(part[4 * j + 3], f8), as.y, acc[4 * j + 3]);
+  }
+}
+
+// A fragment's rows g (c0, c1) times fg, rows g + 8 (c2, c3) times f8.
+template <int kN>
+__device__ __forceinline__ void scale_rows(float (&acc)[kN], float fg, float f8) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) acc[i] *= (i & 2) ? f8 : fg;
+}
+
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
   return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
@@ -386,6 +422,7 @@ struct ItemTile {
   int tile_row0, tile_rows;  // first row of a / out of the tile, rows in it (>= 1)
   int strip0, strips_valid;  // first packed 16-row strip, strips of the tile that exist
   const uint8_t* wtile;      // the strips' packed weights
+  const uint8_t* row_base;   // their W4A8 row bases (Mxfp4CudaGemmParams::row_base) or nullptr
 };
 
 template <class C>
@@ -425,6 +462,9 @@ struct Schedule {
     w.strip0 = nt * C::strips;
     w.strips_valid = min(C::strips, strips_total - w.strip0);
     w.wtile = p.w_packed + (static_cast<int64_t>(e) * strips_total + w.strip0) * kb_total * kBlk;
+    w.row_base = p.row_base != nullptr
+                     ? p.row_base + (static_cast<int64_t>(e) * strips_total + w.strip0) * 16
+                     : nullptr;
     return w;
   }
 };
@@ -499,7 +539,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 
 #pragma unroll 1
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const auto [tile_row0, tile_rows, strip0, strips_valid, wtile] = sch.tile_of(p, it);
+    // (row_base: float8 only)
+    const auto [tile_row0, tile_rows, strip0, strips_valid, wtile, row_base] = sch.tile_of(p, it);
     const int warp_tok0 = warp_m * C::wt * 8;
     const int nj = min(max((tile_rows - warp_tok0 + 7) / 8, 0), C::wt);
     const bool warp_active = nj > 0 && warp_n * C::wn < strips_valid;
@@ -734,8 +775,23 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 
 #pragma unroll 1
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const auto [tile_row0, tile_rows, strip0, strips_valid, wtile] = sch.tile_of(p, it);
+    const auto [tile_row0, tile_rows, strip0, strips_valid, wtile, row_base] = sch.tile_of(p, it);
     const bool strip_active = sidx < strips_valid;
+    // float8: the W4A8 row bases of rows g (byte 0) and g + 8 (byte 2) of the warp's strip
+    // (Mxfp4CudaGemmParams::row_base), read early, and whether the warpgroup runs the row-base
+    // stage loop: iff the first row of its 64 has a base (a 64-row group's rows all have one or
+    // none). One decision for the warpgroup whatever the values (its wgmma chains must be one
+    // code path; strip_active is uniform over it, see WgCfg); the vote tells the compiler that
+    // the decision is warp-uniform.
+    uint32_t rb = 0;
+    bool row_based = false;
+    if constexpr (C::fp8) {
+      if (row_base != nullptr && strip_active) {
+        rb = row_base[sidx * 16 + g] | uint32_t{row_base[sidx * 16 + g + 8]} << 16;
+        row_based = row_base[(sidx & ~3) * 16] != 0;
+      }
+      row_based = __all_sync(0xffffffffu, row_based);
+    }
     // Stage kt of the ring slot: the weights of this tile's strips, the B tile (rows past the
     // tile are not copied: they only feed output columns that are discarded; k past the end is
     // zero-filled, since it would feed every column) and, for e4m3, the tokens' a_scale column.
@@ -845,7 +901,10 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     } else {
       // e4m3, W4A8: per row, base b = the largest of its 4 scale bytes in the stage; the weights
       // decoded to e4m3 through the byte table of e = s - b + 6; the 4 k32 groups as one wgmma
-      // chain; one promotion acc = fma(partial * 2^(b - 133), a_scale, acc). The prefill tiles
+      // chain; one promotion acc = fma(partial * 2^(b - 133), a_scale, acc). With row bases
+      // (Mxfp4CudaGemmParams::row_base: bitwise the same results) b is the row's base B at
+      // every stage, the promotion acc = fma(partial, a_scale, acc), and the accumulators are
+      // multiplied by 2^(B - 133) once, after the last stage. The prefill tiles
       // (C::skew) run the loop skewed by one stage: the chain of stage kt runs on the tensor cores
       // while the warps wait for stage kt+1 (cp.async wait and the CTA barrier), refill the ring
       // and read kt+1's weights and scale bytes; only the promotion waits for the chain. Two
@@ -874,56 +933,62 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         sc[1] = *reinterpret_cast<const uint32_t*>(wst + kBlk + 512 + g * 4);
       };
       if constexpr (C::skew) next_stage(0, 0);
+      // The stage loop once per base rule (chosen per item), so that each is straight-line code.
+      auto stage_loop = [&](auto row_based_c) {
+        constexpr bool kRowBased = decltype(row_based_c)::value;
 #pragma unroll 1
-      for (int kt = 0; kt < kt_total; ++kt) {
-        if constexpr (!C::skew) next_stage(kt, rd_slot);
-        // A row's four scale bytes (groups q = 0..3), its base, and the byte differences b - s
-        // (no borrows: b is the largest byte), which index the byte tables.
-        const uint32_t sg = __byte_perm(sc[0], sc[1], 0x5410u);  // row g
-        const uint32_t s8 = __byte_perm(sc[0], sc[1], 0x7632u);  // row g + 8
-        const uint32_t bg = max_byte(sg), b8 = max_byte(s8);
-        const uint32_t dg = bg * 0x01010101u - sg, d8 = b8 * 0x01010101u - s8;
-        uint32_t f[4][4];
+        for (int kt = 0; kt < kt_total; ++kt) {
+          if constexpr (!C::skew) next_stage(kt, rd_slot);
+          // A row's four scale bytes (groups q = 0..3), its base b (the stage's largest byte, or
+          // the row base, the row's largest) and the byte differences b - s (no borrows: no byte
+          // exceeds b), which index the byte tables.
+          const uint32_t sg = __byte_perm(sc[0], sc[1], 0x5410u);  // row g
+          const uint32_t s8 = __byte_perm(sc[0], sc[1], 0x7632u);  // row g + 8
+          const uint32_t bg = kRowBased ? rb & 0xffu : max_byte(sg);
+          const uint32_t b8 = kRowBased ? rb >> 16 : max_byte(s8);
+          const uint32_t dg = bg * 0x01010101u - sg, d8 = b8 * 0x01010101u - s8;
+          uint32_t f[4][4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {  // k32 group q = 2 kb + s2 of the stage
-          const int kb = q >> 1, s2 = q & 1;
-          const uint2 lg = luts[(dg >> (8 * q)) & 0xffu];
-          const uint2 l8 = luts[(d8 >> (8 * q)) & 0xffu];
+          for (int q = 0; q < 4; ++q) {  // k32 group q = 2 kb + s2 of the stage
+            const int kb = q >> 1, s2 = q & 1;
+            const uint2 lg = luts[(dg >> (8 * q)) & 0xffu];
+            const uint2 l8 = luts[(d8 >> (8 * q)) & 0xffu];
 #pragma unroll
-          for (int h = 0; h < 2; ++h)  // a0 / a2: row g, a1 / a3: row g + 8
-            decode_e4m3_lut(word_of(wq[kb], 2 * s2 + h), lg, l8, f[q][2 * h], f[q][2 * h + 1]);
-          wgmma::fence_operands(f[q]);
+            for (int h = 0; h < 2; ++h)  // a0 / a2: row g, a1 / a3: row g + 8
+              decode_e4m3_lut(word_of(wq[kb], 2 * s2 + h), lg, l8, f[q][2 * h], f[q][2 * h + 1]);
+            wgmma::fence_operands(f[q]);
+          }
+          // (No zeroing: the chain's first wgmma, accumulate = false, ignores the registers.)
+          float part[C::acc_regs];
+          const uint32_t b_base = smem_u32(smem + rd_slot * C::b_bytes);
+          wgmma::fence();
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            uint64_t desc[1] = {wgmma::desc_sw128(b_base + q * 32, 16, 1024)};
+            wgmma::fence_operands(desc);
+            wgmma::wgmma_e4m3_rs<C::bm>(part, f[q], desc[0], q > 0);
+          }
+          wgmma::commit();
+          const int cur_slot = rd_slot;
+          rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
+          // Skewed: while the chain runs, stage kt+1 in, a later stage's copies out.
+          if constexpr (C::skew)
+            if (kt + 1 < kt_total) next_stage(kt + 1, rd_slot);
+          wgmma::wait<0>();
+          wgmma::fence_operands(part);
+          const float* sst = reinterpret_cast<const float*>(smem + C::b_ring +
+                                                            cur_slot * C::ws_bytes + C::w_bytes);
+          promote_stage<kRowBased>(acc, part, sst, t, exp2_b_minus_133(bg), exp2_b_minus_133(b8));
         }
-        // (No zeroing: the chain's first wgmma, accumulate = false, ignores the registers.)
-        float part[C::acc_regs];
-        const uint32_t b_base = smem_u32(smem + rd_slot * C::b_bytes);
-        wgmma::fence();
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          uint64_t desc[1] = {wgmma::desc_sw128(b_base + q * 32, 16, 1024)};
-          wgmma::fence_operands(desc);
-          wgmma::wgmma_e4m3_rs<C::bm>(part, f[q], desc[0], q > 0);
-        }
-        wgmma::commit();
-        const int cur_slot = rd_slot;
-        rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
-        // Skewed: while the chain runs, stage kt+1 in, a later stage's copies out.
-        if constexpr (C::skew)
-          if (kt + 1 < kt_total) next_stage(kt + 1, rd_slot);
-        wgmma::wait<0>();
-        wgmma::fence_operands(part);
-        const float* sst =
-            reinterpret_cast<const float*>(smem + C::b_ring + cur_slot * C::ws_bytes + C::w_bytes);
-        const float fg = exp2_b_minus_133(bg), f8 = exp2_b_minus_133(b8);
-#pragma unroll
-        for (int j = 0; j < C::bm / 8; ++j) {  // this thread's tokens 8 j + 2 t (+1)
-          const float2 as = *reinterpret_cast<const float2*>(sst + j * 8 + 2 * t);
-          acc[4 * j + 0] = fmaf(part[4 * j + 0] * fg, as.x, acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(part[4 * j + 1] * fg, as.y, acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(part[4 * j + 2] * f8, as.x, acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(part[4 * j + 3] * f8, as.y, acc[4 * j + 3]);
-        }
-      }
+      };
+      if (row_based)
+        stage_loop(std::true_type{});
+      else
+        stage_loop(std::false_type{});
+      // (The accumulators ran at 2^(133-B) times the per-stage ones: back, exactly. A branch of
+      // its own: fewer instructions in both loops than inside the first branch, by the static
+      // counts of bench/sass_stage_loop.py.)
+      if (row_based) scale_rows(acc, exp2_b_minus_133(rb & 0xffu), exp2_b_minus_133(rb >> 16));
     }
     wgmma::wait<0>();
     wgmma::fence_operands(acc);
@@ -1042,6 +1107,8 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
   ZI_CHECK(p.k_pad <= (int64_t{1} << 22), "k too large for the kernel's 32-bit weight offsets");
   ZI_CHECK(p.fp8_layout == (p.a_dtype == DType::kFloat8E4M3),
            "packed weights' bit layout does not match the activation dtype");
+  ZI_CHECK(p.row_base == nullptr || p.a_dtype == DType::kFloat8E4M3,
+           "row_base (W4A8 row bases) goes with float8 activations only");
   ZI_CHECK(p.gate_up_interleaved == p.fuse_swiglu,
            "fuse_swiglu needs gate/up-interleaved packed weights (and only then)");
   ZI_CHECK(!p.fuse_swiglu || (p.n % 2 == 0 && p.n_pad >= 2 * ((p.n / 2 + 7) / 8 * 8)),

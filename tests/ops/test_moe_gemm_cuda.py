@@ -15,6 +15,7 @@ bitwise), batch invariance, determinism and no host synchronisation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -35,6 +36,26 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 def rand_weights(gen, E, N, K, lo=110, hi=140):
     """Every nibble value; scales spread over 2^-17 .. 2^13 (wide scales included)."""
     return narrow_weights(gen, E, N, K, lo, hi)
+
+
+def narrow_some_groups(gen, s, fuse, frac, lo=110, hi=140):
+    """Scale bytes s with the rows of a random `frac` of the packed 64-row groups (the rows of
+    one float8 warpgroup: where W4A8 row bases apply) redrawn within 14 of a per-row top in
+    [lo, hi], so that such groups take the kernel's row-base path and the others (uniform
+    bytes over [lo, hi], spread > 14) the per-stage one."""
+    s = s.clone()
+    E, N, nk = s.shape
+    _, src = mg._packed_rows(N, fuse, torch.device("cpu"))
+    for e in range(E):
+        for g0 in range(0, len(src), 64):
+            rows = src[g0:g0 + 64]
+            rows = rows[rows >= 0]
+            if float(torch.rand(1, generator=gen)) >= frac or not len(rows):
+                continue
+            top = torch.randint(min(lo + 14, hi), hi + 1, (len(rows), 1), generator=gen)
+            off = torch.randint(0, 15, (len(rows), nk), generator=gen)
+            s[e, rows] = (top - off).clamp(min=lo).to(torch.uint8)
+    return s
 
 
 # =========================================================================== CPU: the repack
@@ -172,10 +193,12 @@ def _e4m3_lut_byte(d, mag):
     return int(v.to(FP8).view(torch.uint8))
 
 
-def emulate_e4m3_weights(pw):
+def emulate_e4m3_weights(pw, row_base=None):
     """W [E, n_pad, k_pad] float64 as the W4A8 path consumes it: per row and 128-k stage (two
     packed blocks) base b = max of its four scale bytes; each value -> the e4m3 byte of table
-    entry b - s (prmt by its code bits, then its sign bit); W = e4m3 value * 2^(b - 133)."""
+    entry b - s (prmt by its code bits, then its sign bit); W = e4m3 value * 2^(b - 133).
+    row_base ([E, n_pad], nonzero entries): the row-base path, b = the row's base at every
+    stage (the kernel's accumulators carry 2^(133 - b) until one multiply at the end)."""
     words, sc = _u32_words(pw)
     E, nb, kb = words.shape[:3]
     lut = torch.tensor([[_e4m3_lut_byte(d, m) for m in range(8)] for d in range(256)])
@@ -186,6 +209,9 @@ def emulate_e4m3_weights(pw):
             s_blk = sc[:, :, :, g, 2 * r:2 * r + 2]                    # [E, nb, kb, 2 groups]
             stage = s_blk.reshape(E, nb, kb // 2, 4)                   # two packed blocks
             base = stage.amax(-1).repeat_interleave(2, dim=-1)         # [E, nb, kb]
+            if row_base is not None:
+                rb = row_base.reshape(E, nb, 16)[:, :, g + 8 * r, None].to(torch.int64)
+                base = torch.where(rb != 0, rb, base)
             factor = torch.where(base == 255, torch.tensor(float("nan"), dtype=torch.float64),
                                  torch.exp2(base.double() - 133))
             for word in range(4):
@@ -311,6 +337,85 @@ def test_emulated_e4m3_decode_is_exact(gen, fuse):
     assert _same(emulate_e4m3_weights(pw), _packed_reference(pw, w, s, dequantize_expert_w4a8_f64))
 
 
+def _checkpoint_row(p, N, fuse):
+    """Checkpoint row of packed row p, None for padding: with fuse_swiglu, 16-row block
+    b = p // 16 holds gate rows 8b .. 8b + 7, then up rows N/2 + 8b .. N/2 + 8b + 7; else p."""
+    if not fuse:
+        return p if p < N else None
+    b, q = divmod(p, 16)
+    h = 8 * b + q % 8
+    return (h if q < 8 else N // 2 + h) if h < N // 2 else None
+
+
+def _row_bases_by_hand(s, fuse, n_pad):
+    """The W4A8 row-base rule written out row by row: a packed row's base B is its largest
+    scale byte (padding rows: bytes 127); a 64-row group keeps its rows' B iff every row has all
+    bytes >= B - 14 and 101 <= B <= 165, else it is all 0."""
+    E, N, nk = s.shape
+    out = torch.zeros(E, n_pad, dtype=torch.uint8)
+    for e in range(E):
+        for g0 in range(0, n_pad, 64):
+            bases = []
+            for p in range(g0, g0 + 64):
+                row = _checkpoint_row(p, N, fuse)
+                byts = [127] * nk if row is None else s[e, row].tolist()
+                top = max(byts)
+                bases.append(top if min(byts) >= top - 14 and 101 <= top <= 165 else None)
+            if None not in bases:
+                out[e, g0:g0 + 64] = torch.tensor(bases, dtype=torch.uint8)
+    return out
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_prepack_w4a8_row_bases(gen, fuse):
+    """mxfp4_prepack's row bases (float8 only) against the rule written out row by row, on
+    rows within 14 of their top except for one planted row in each of some 64-row groups: a
+    spread of 15, a NaN byte (255), a top just outside the window (100, 166), or rows at its
+    edges (101, 165, spread exactly 14: the group stays on row bases); padding rows (N not a
+    multiple of 64, or of 32 per half) included, several experts."""
+    E, N, K = 3, 200, 512
+    nk = K // 32
+    w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    top = torch.randint(110, 140, (E, N, 1), generator=gen)
+    s = (top - torch.randint(0, 15, (E, N, nk), generator=gen)).to(torch.uint8)
+    n_pad = -(-(N // 2) // 64) * 128 if fuse else -(-N // 128) * 128
+    groups = [(e, g0) for e in range(E) for g0 in range(0, n_pad, 64)]
+    plants = [(15, 120), (0, 255), (0, 100), (0, 166), (14, 101), (14, 165)]
+    for i, (spread, t) in zip(torch.randperm(len(groups), generator=gen).tolist(), plants):
+        e, g0 = groups[i]
+        rows = [r for p in range(g0, g0 + 64) if (r := _checkpoint_row(p, N, fuse)) is not None]
+        n = rows[int(torch.randint(0, len(rows), (1,), generator=gen))]
+        s[e, n] = t - torch.randint(0, spread + 1, (nk,), generator=gen)
+        j = torch.randperm(nk, generator=gen)[:2]
+        s[e, n, j[0]], s[e, n, j[1]] = t, t - spread
+    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=FP8)
+    rb = pw.row_base
+    assert rb.dtype == torch.uint8 and rb.shape == (E, n_pad) and rb.is_contiguous()
+    want = _row_bases_by_hand(s, fuse, n_pad)
+    assert torch.equal(rb, want)
+    zero_groups = int((want.reshape(E, -1, 64)[..., 0] == 0).sum())
+    assert zero_groups == 4 and want.max() == 165 and (want[want > 0].min() == 101), want
+    assert mxfp4_prepack(w, s, fuse_swiglu=fuse).row_base is None  # bf16: none
+    moved = pw.to("meta")
+    assert moved.row_base.device.type == "meta" and moved.row_base.shape == rb.shape
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_emulated_e4m3_row_base_decode_is_exact(gen, fuse):
+    """The row-base path folds every weight relative to its row's base B (table entry B - s)
+    and promotes without the per-stage factor: weight for weight, e4m3 value * 2^(B - 133) is
+    exactly what the per-stage bases give (and the dequantized checkpoint), on rows whose bytes
+    stay within 14 of their top; rows of other groups keep the per-stage path."""
+    E, N, K = 2, 160, 512
+    w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    s = narrow_some_groups(gen, rand_weights(gen, E, N, K)[1], fuse, 0.5, 101, 165)
+    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=FP8)
+    assert bool((pw.row_base != 0).any())
+    got = emulate_e4m3_weights(pw, pw.row_base)
+    assert _same(got, emulate_e4m3_weights(pw))
+    assert _same(got, _packed_reference(pw, w, s, dequantize_expert_w4a8_f64))
+
+
 # ======================================================= CPU: packed weights through the op
 @pytest.mark.parametrize("fuse", [False, True])
 def test_packed_weights_on_cpu(gen, fuse):
@@ -360,6 +465,35 @@ def test_packed_weights_bad_arguments(gen):
         mxfp4_unpack(w)
 
 
+def test_packed_row_base_bad_arguments(gen):
+    """The op validates the packed weights' W4A8 row bases like any argument (the kernel trusts
+    them)."""
+    w, s = rand_weights(gen, 3, 64, 128)
+    a = torch.randn(6, 128, generator=gen)
+    off = torch.tensor([0, 2, 2, 6], dtype=torch.int32)
+    pw = mxfp4_prepack(w, s, act_dtype=FP8)
+    rb = pw.row_base
+
+    def call(row_base, packed=pw):
+        mxfp4_grouped_gemm(a, dataclasses.replace(packed, row_base=row_base), None,
+                           expert_offsets=off)
+
+    call(None)  # the per-stage path: always valid
+    with pytest.raises(TypeError, match=r"w.row_base \(Mxfp4PackedWeights\) must have dtype "
+                       r"uint8, got int32"):
+        call(rb.int())
+    with pytest.raises(ValueError, match=r"w.row_base \(Mxfp4PackedWeights\) must have shape "
+                       r"\[3, 128\], got \(3, 64\)"):
+        call(rb[:, :64].contiguous())
+    with pytest.raises(ValueError, match=r"w.row_base \(Mxfp4PackedWeights\) must be contiguous"):
+        call(rb.t().contiguous().t())
+    with pytest.raises(ValueError, match=r"w.row_base \(Mxfp4PackedWeights\) must be on cpu"):
+        call(rb.to("meta"))
+    with pytest.raises(ValueError, match=r"row_base is only for weights packed for "
+                       r"float8_e4m3fn activations, got act_dtype bfloat16"):
+        call(rb, mxfp4_prepack(w, s))
+
+
 # ==================================================================================== GPU
 DEV = torch.device("cuda")
 
@@ -383,9 +517,13 @@ def _to(x):
 
 
 def make_case(gen, *, E, N, K, dtype, masked, counts=None, cap=None, pad_max=3, mode="plain",
-              wlo=110, whi=140):
-    """Weights, activations and a layout. Returns dict with everything on the CPU."""
+              wlo=110, whi=140, narrow=0.5):
+    """Weights, activations and a layout. Returns dict with everything on the CPU. A `narrow`
+    fraction of the packed 64-row groups has each row's scale bytes within 14 of its top
+    (narrow_some_groups): W4A8 runs those on row bases, the others on per-stage bases."""
+    fuse = mode != "plain"
     w, s = rand_weights(gen, E, N, K, wlo, whi)
+    s = narrow_some_groups(gen, s, fuse, narrow, wlo, whi)
     if counts is None:
         counts = rand_counts(gen, E, int(torch.randint(0, 12 * E + 1, (1,), generator=gen)),
                              empty=min(2, E - 1))
@@ -399,17 +537,21 @@ def make_case(gen, *, E, N, K, dtype, masked, counts=None, cap=None, pad_max=3, 
         layout = {"expert_offsets": offsets, "expert_counts": cnt}
         a, a_scale = rand_act(gen, (total + 2, K), dtype)  # 2 trailing rows nobody owns
         rows = (total + 2,)
-    fuse, lim = mode != "plain", None
+    lim = None
     if mode == "swiglu_limit" and sum(counts) > 0:
         a, a_scale, lim = clamp_inputs(gen, a, a_scale, w, s, **layout)
     return dict(w=w, s=s, a=a, a_scale=a_scale, layout=layout, rows=rows, fuse=fuse, lim=lim)
 
 
 def run_cuda(c, *, out_dtype, packed=True, check=True):
+    """The op on the case's inputs; packed: prepack the weights first (or these
+    Mxfp4PackedWeights, on the GPU), else raw weights."""
     n_out = c["w"].shape[1] // 2 if c["fuse"] else c["w"].shape[1]
     out = poisoned((*c["rows"], n_out), out_dtype).to(DEV)
     w, s = c["w"].to(DEV), c["s"].to(DEV)
-    if packed:
+    if isinstance(packed, Mxfp4PackedWeights):
+        w, s = packed, None
+    elif packed:
         act = c["a"].dtype if c["a"].dtype in (torch.bfloat16, FP8) else torch.bfloat16
         w, s = mxfp4_prepack(w, s, fuse_swiglu=c["fuse"], act_dtype=act), None
     got = mxfp4_grouped_gemm(c["a"].to(DEV), w, s, a_scale=_to(c["a_scale"]),
@@ -617,6 +759,35 @@ def test_cuda_tiles_and_batches_bitwise_equal(gen, tile, dtype):
     alone = run_cuda(c2, out_dtype=torch.float32)
     assert torch.equal(alone[pad:].view(torch.int32), outs[0][lo:hi].view(torch.int32)), \
         "a row's output depends on the other rows of the batch"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_shape", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("scales", ["v4", "mixed", "low", "high"])
+def test_cuda_w4a8_row_base_bitwise(gen, tile, tile_shape, masked, scales):
+    """W4A8 row bases change no bit: every float8 tile (and the plan) gives bitwise the outputs
+    of the per-stage bases (the same packed weights with row_base=None), and both are right
+    against the reference. Realistic token scales (2^-8 .. 2^-4); scale bytes of V4-like weights
+    (112..130, every group on row bases), half the groups on per-stage bases (110..140), and
+    every group on row bases near the window's ends (tops up to 115 / 165: accumulators ~2^18
+    above / 2^32 below the per-stage ones). Contiguous plain and masked SwiGLU layouts; experts
+    of 0 .. 300 rows (several token tiles a tile shape)."""
+    tile(tile_shape)
+    wlo, whi, frac = {"v4": (112, 130, 1.0), "mixed": (110, 140, 0.5), "low": (101, 115, 1.0),
+                      "high": (151, 165, 1.0)}[scales]
+    counts = [0, 1, 8, 9, 40, 300]
+    c = make_case(gen, E=6, N=320, K=512, dtype=FP8, masked=masked, counts=counts,
+                  mode="swiglu_limit" if masked else "plain", wlo=wlo, whi=whi, narrow=frac)
+    pw = mxfp4_prepack(c["w"].to(DEV), c["s"].to(DEV), fuse_swiglu=c["fuse"], act_dtype=FP8)
+    on_row_base = (pw.row_base.cpu().reshape(6, -1, 64) != 0).all(-1)
+    assert bool(on_row_base.all()) if frac == 1 else \
+        bool(on_row_base.any()) and not bool(on_row_base.all()), on_row_base
+    got = run_cuda(c, out_dtype=torch.float32, packed=pw)
+    per_stage = run_cuda(c, out_dtype=torch.float32, packed=dataclasses.replace(pw, row_base=None))
+    assert torch.equal(got.view(torch.int32), per_stage.view(torch.int32)), \
+        f"{scales} masked={masked} tile={tile_shape}: row bases changed the result"
+    check_vs_ref(got, c, torch.float32, f"{scales} masked={masked} tile={tile_shape}")
 
 
 @pytest.mark.gpu

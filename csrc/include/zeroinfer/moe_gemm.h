@@ -13,7 +13,8 @@
 // s >= b - 14; below that q falls under 2^-6 and is rounded half-to-even to a multiple of 2^-9,
 // possibly to 0). b = 255 (NaN) makes the whole block NaN. This is what lets a GPU kernel run the
 // 128-k block as one float8 tensor-core chain with one float32 rescale (the CPU twin and the
-// reference follow the same rule).
+// reference follow the same rule). The CUDA kernel may fold rows relative to one base for the
+// whole row instead (Mxfp4CudaGemmParams::row_base) where that gives the same results.
 #pragma once
 
 #include <algorithm>
@@ -84,6 +85,15 @@ void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p);
 constexpr int kMxfp4BlockBytes = 544;
 constexpr int kMxfp4PackRows = 128;
 constexpr int kMxfp4PackK = 128;
+// W4A8 row bases (Mxfp4CudaGemmParams::row_base): the window of B, 133 +- 32, keeps the scaled
+// accumulators within 2^32 of the per-stage ones (real checkpoints' bytes sit well inside it,
+// ~110..130); 0 (the "none" mark) and 255 (NaN) lie outside it. A row's bytes must lie within
+// kMxfp4RowBaseSpread of B (the W4A8 rule's exact range), and the rows one decision covers are
+// those of one float8 warpgroup.
+constexpr int kMxfp4RowBaseMin = 101;
+constexpr int kMxfp4RowBaseMax = 165;
+constexpr int kMxfp4RowBaseSpread = 14;
+constexpr int kMxfp4RowBaseGroup = 64;
 
 struct Mxfp4CudaGemmParams {
   // Activations: kBFloat16 (W4A16) or kFloat8E4M3 (W4A8, with a_scale), layout as in
@@ -92,6 +102,22 @@ struct Mxfp4CudaGemmParams {
   DType a_dtype = DType::kBFloat16;
   const float* a_scale = nullptr;
   const uint8_t* w_packed = nullptr;  // see above
+  // W4A8 only, optional: uint8 [num_experts, n_pad], one base per packed row (zeroinfer.ops.
+  // mxfp4_prepack makes it; the values are trusted, and any value is memory safe). 0 or nullptr:
+  // the per-stage bases b of the W4A8 rule. Nonzero: B = the row's largest scale byte, with
+  // every scale byte s of the row >= B - 14 and B in [kMxfp4RowBaseMin, kMxfp4RowBaseMax]. The
+  // row then folds relative to B at every stage: q' = e2m1 * 2^(s-B+6) = q * 2^(b-B), exact like
+  // q (s - B >= -14); the stage's wgmma partial is 2^(b-B) times the per-stage one (a power-of-
+  // two scale of every product, all in float32's normal range: nonzero products of e4m3 values
+  // are >= 2^-18); the kernel keeps acc' = fma(partial', a_scale, acc') = acc * 2^(133-B) and
+  // multiplies by 2^(B-133) once at the end: a float32 multiply per output and stage less.
+  // A power-of-two scale commutes with float32 rounding while nothing leaves the normal range,
+  // so the results are bitwise those of the per-stage bases unless a running sum x of the row
+  // (an fma's exact result) comes within 2^|133-B| <= 2^32 of that range's ends, i.e. only if
+  // 0 < |x| < 2^-94 or |x| >= 2^96 (one path then rounds a subnormal or overflows where the
+  // other does not). A 64-row group (kMxfp4RowBaseGroup, one warpgroup's rows) is all nonzero or
+  // all 0, so a warpgroup takes one branch.
+  const uint8_t* row_base = nullptr;
   int64_t n_pad = 0;                  // packed rows per expert (multiple of kMxfp4PackRows)
   int64_t k_pad = 0;                  // packed k (multiple of kMxfp4PackK), >= k
   bool gate_up_interleaved = false;   // must equal fuse_swiglu

@@ -164,7 +164,12 @@ class Mxfp4PackedWeights:
     data: uint8 ``[E, n_pad/16, k_pad/64, 544]``; n, k: the checkpoint's N and K; fuse_swiglu:
     gate/up rows interleaved (use only with ``fuse_swiglu=True`` calls); act_dtype: the
     activation dtype the bit layout is for (bfloat16 or float8_e4m3fn); wide_scales: some scale
-    byte may exceed 128 (the bf16 path then scales in two exact steps)."""
+    byte may exceed 128 (the bf16 path then scales in two exact steps).
+    row_base: float8 only, uint8 ``[E, n_pad]`` (on data's device): the W4A8 row bases
+    (``_w4a8_row_bases``; Mxfp4CudaGemmParams::row_base in zeroinfer/moe_gemm.h), which save the
+    kernel a float32 multiply per output and 128-k stage, with bitwise the same results. None
+    (e.g. ``dataclasses.replace(pw, row_base=None)``) runs every row on per-stage bases, the
+    path the tests compare against."""
 
     data: torch.Tensor
     n: int
@@ -172,6 +177,7 @@ class Mxfp4PackedWeights:
     fuse_swiglu: bool
     act_dtype: torch.dtype
     wide_scales: bool
+    row_base: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -191,7 +197,25 @@ class Mxfp4PackedWeights:
 
     def to(self, device: torch.device | str) -> Mxfp4PackedWeights:
         return Mxfp4PackedWeights(self.data.to(device), self.n, self.k, self.fuse_swiglu,
-                                  self.act_dtype, self.wide_scales)
+                                  self.act_dtype, self.wide_scales,
+                                  None if self.row_base is None else self.row_base.to(device))
+
+
+def _w4a8_row_bases(sc: torch.Tensor) -> torch.Tensor:
+    """W4A8 row bases of packed scale bytes ``sc`` uint8 ``[E, n_pad, k_pad/32]`` (packed row
+    order: every byte the kernel reads, padding rows' 127 included): uint8 ``[E, n_pad]``, each
+    row's largest byte B where every row of its 64-row group (the rows of one float8
+    warpgroup) folds exactly relative to its own B (every byte >= B - 14) with B in the window
+    [MXFP4_ROW_BASE_MIN, MXFP4_ROW_BASE_MAX] (which leaves out 255, NaN); 0 for the whole group
+    otherwise (per-stage bases). The rule and why it changes no result: Mxfp4CudaGemmParams::
+    row_base in zeroinfer/moe_gemm.h."""
+    s = sc.to(torch.int16)
+    hi, lo = s.amax(-1), s.amin(-1)
+    ok = ((lo >= hi - _C.MXFP4_ROW_BASE_SPREAD) & (hi >= _C.MXFP4_ROW_BASE_MIN)
+          & (hi <= _C.MXFP4_ROW_BASE_MAX))
+    grp = _C.MXFP4_ROW_BASE_GROUP
+    ok = ok.unflatten(1, (-1, grp)).all(-1, keepdim=True).expand(-1, -1, grp).flatten(1)
+    return torch.where(ok, hi, 0).to(torch.uint8)
 
 
 def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool = False,
@@ -207,6 +231,7 @@ def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool =
     check_scales: look at the scale values once (a host sync) to enable the one-multiply bf16
     decode when every scale byte is <= 128 (all real checkpoints); False assumes the worst and
     never syncs. Do this once at load; it costs a few passes over the weights.
+    Float8 weights also get their W4A8 row bases (``Mxfp4PackedWeights.row_base``; no sync).
     """
     op = "mxfp4_prepack"
     check_tensor(op, "w", w, dtypes=_W_DTYPES, ndim=3)
@@ -234,6 +259,8 @@ def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool =
     bit_map, sc_map = _block_maps(dev, act_dtype)
     nb, kb = n_pad // 16, k_pad // 64
     data = torch.empty(num_experts, nb, kb, _C.MXFP4_BLOCK_BYTES, dtype=torch.uint8, device=dev)
+    row_base = (torch.empty(num_experts, n_pad, dtype=torch.uint8, device=dev)
+                if act_dtype == _FP8 else None)
     per = max(1, (1 << 26) // (n_pad * k_pad))  # bound the temporaries (~64 Mi values a chunk)
     shifts = torch.arange(8, dtype=torch.uint8, device=dev)
     for e0 in range(0, num_experts, per):
@@ -256,8 +283,10 @@ def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool =
         del pb
         sblk = sc.reshape(c, nb, 16, kb, 2).permute(0, 1, 3, 2, 4).reshape(c, nb, kb, 32)
         data[e0:e1, :, :, 512:] = sblk.index_select(-1, sc_map)
+        if row_base is not None:
+            row_base[e0:e1] = _w4a8_row_bases(sc)
     wide = bool((sb > 128).any()) if check_scales else True
-    return Mxfp4PackedWeights(data, n, k, fuse_swiglu, act_dtype, wide)
+    return Mxfp4PackedWeights(data, n, k, fuse_swiglu, act_dtype, wide, row_base)
 
 
 def _check_packed(op: str, pw: Mxfp4PackedWeights) -> None:
@@ -277,6 +306,13 @@ def _check_packed(op: str, pw: Mxfp4PackedWeights) -> None:
                          "mxfp4_prepack")
     if d.data_ptr() % 16:
         raise ValueError(f"{op}: w (Mxfp4PackedWeights) data must be 16-byte aligned")
+    if pw.row_base is not None:
+        if pw.act_dtype != _FP8:
+            raise ValueError(f"{op}: w (Mxfp4PackedWeights) row_base is only for weights packed "
+                             f"for float8_e4m3fn activations, got act_dtype "
+                             f"{_name(pw.act_dtype)}; set it to None")
+        check_tensor(op, "w.row_base (Mxfp4PackedWeights)", pw.row_base, dtypes=(torch.uint8,),
+                     shape=(d.shape[0], n_pad), device=d.device)
 
 
 def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,9 +354,9 @@ def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_
     a_kslot = _kslot_order(a) if wgmma and a.dtype == torch.bfloat16 else None
     if a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
         a = a.clone()
-    args = (ptr(a), dtype_code(a), ptr(a_scale), ptr(pw.data), pw.n_pad, pw.k_pad,
-            pw.fuse_swiglu, pw.act_dtype == _FP8, pw.wide_scales, ptr(offsets), ptr(counts),
-            ptr(masked_m), ptr(out),
+    args = (ptr(a), dtype_code(a), ptr(a_scale), ptr(pw.data), ptr(pw.row_base), pw.n_pad,
+            pw.k_pad, pw.fuse_swiglu, pw.act_dtype == _FP8, pw.wide_scales, ptr(offsets),
+            ptr(counts), ptr(masked_m), ptr(out),
             dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, _FORCE_TILE,
             ptr(a_kslot))
     if dev.index is not None and dev.index != torch.cuda.current_device():
@@ -493,6 +529,7 @@ def mxfp4_grouped_gemm(
         check_tensor(op, "out", out, dtypes=(out_dtype,), shape=out_shape, device=device)
         if out.numel() > 0:
             inputs = {"a": a, "w": w.data if packed else w, "w_scale": w_scale,
+                      "w.row_base": w.row_base if packed else None,
                       "expert_offsets": expert_offsets,
                       "expert_counts": expert_counts, "masked_m": masked_m, "a_scale": a_scale}
             check_no_alias(op, {"out": out},
