@@ -17,7 +17,7 @@
 //     each e2m1 value becomes the e4m3 value * 2^(s-b+6) through a byte table (a prmt and a
 //     LOP3 a register), the stage's four k32 groups run as one wgmma m64nNk32 chain from zero, then
 //     acc = fma(partial * 2^(b-133), a_scale, acc) in float32, in k order. With a per-row base B
-//     for the whole K (Mxfp4CudaGemmParams::row_base, where the row's scale bytes are within 14
+//     for the whole K (Mxfp4CudaGemmParams::row_base, where the row's scale bytes are within 11
 //     of their largest) the values are e2m1 * 2^(s-B+6) instead and the promotion one fma,
 //     acc = fma(partial, a_scale, acc), with one multiply by 2^(B-133) at the end: every term
 //     2^(b-B) times the above, exactly, so bitwise the same results (caveat in the header).

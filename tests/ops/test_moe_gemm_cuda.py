@@ -40,9 +40,9 @@ def rand_weights(gen, E, N, K, lo=110, hi=140):
 
 def narrow_some_groups(gen, s, fuse, frac, lo=110, hi=140):
     """Scale bytes s with the rows of a random `frac` of the packed 64-row groups (the rows of
-    one float8 warpgroup: where W4A8 row bases apply) redrawn within 14 of a per-row top in
+    one float8 warpgroup: where W4A8 row bases apply) redrawn within 11 of a per-row top in
     [lo, hi], so that such groups take the kernel's row-base path and the others (uniform
-    bytes over [lo, hi], spread > 14) the per-stage one."""
+    bytes over [lo, hi], spread > 11) the per-stage one."""
     s = s.clone()
     E, N, nk = s.shape
     _, src = mg._packed_rows(N, fuse, torch.device("cpu"))
@@ -52,8 +52,8 @@ def narrow_some_groups(gen, s, fuse, frac, lo=110, hi=140):
             rows = rows[rows >= 0]
             if float(torch.rand(1, generator=gen)) >= frac or not len(rows):
                 continue
-            top = torch.randint(min(lo + 14, hi), hi + 1, (len(rows), 1), generator=gen)
-            off = torch.randint(0, 15, (len(rows), nk), generator=gen)
+            top = torch.randint(min(lo + 11, hi), hi + 1, (len(rows), 1), generator=gen)
+            off = torch.randint(0, 12, (len(rows), nk), generator=gen)
             s[e, rows] = (top - off).clamp(min=lo).to(torch.uint8)
     return s
 
@@ -350,7 +350,7 @@ def _checkpoint_row(p, N, fuse):
 def _row_bases_by_hand(s, fuse, n_pad):
     """The W4A8 row-base rule written out row by row: a packed row's base B is its largest
     scale byte (padding rows: bytes 127); a 64-row group keeps its rows' B iff every row has all
-    bytes >= B - 14 and 101 <= B <= 165, else it is all 0."""
+    bytes >= B - 11 and 101 <= B <= 165, else it is all 0."""
     E, N, nk = s.shape
     out = torch.zeros(E, n_pad, dtype=torch.uint8)
     for e in range(E):
@@ -360,7 +360,7 @@ def _row_bases_by_hand(s, fuse, n_pad):
                 row = _checkpoint_row(p, N, fuse)
                 byts = [127] * nk if row is None else s[e, row].tolist()
                 top = max(byts)
-                bases.append(top if min(byts) >= top - 14 and 101 <= top <= 165 else None)
+                bases.append(top if min(byts) >= top - 11 and 101 <= top <= 165 else None)
             if None not in bases:
                 out[e, g0:g0 + 64] = torch.tensor(bases, dtype=torch.uint8)
     return out
@@ -369,18 +369,18 @@ def _row_bases_by_hand(s, fuse, n_pad):
 @pytest.mark.parametrize("fuse", [False, True])
 def test_prepack_w4a8_row_bases(gen, fuse):
     """mxfp4_prepack's row bases (float8 only) against the rule written out row by row, on
-    rows within 14 of their top except for one planted row in each of some 64-row groups: a
-    spread of 15, a NaN byte (255), a top just outside the window (100, 166), or rows at its
-    edges (101, 165, spread exactly 14: the group stays on row bases); padding rows (N not a
+    rows within 11 of their top except for one planted row in each of some 64-row groups: a
+    spread of 12, a NaN byte (255), a top just outside the window (100, 166), or rows at its
+    edges (101, 165, spread exactly 11: the group stays on row bases); padding rows (N not a
     multiple of 64, or of 32 per half) included, several experts."""
     E, N, K = 3, 200, 512
     nk = K // 32
     w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
     top = torch.randint(110, 140, (E, N, 1), generator=gen)
-    s = (top - torch.randint(0, 15, (E, N, nk), generator=gen)).to(torch.uint8)
+    s = (top - torch.randint(0, 12, (E, N, nk), generator=gen)).to(torch.uint8)
     n_pad = -(-(N // 2) // 64) * 128 if fuse else -(-N // 128) * 128
     groups = [(e, g0) for e in range(E) for g0 in range(0, n_pad, 64)]
-    plants = [(15, 120), (0, 255), (0, 100), (0, 166), (14, 101), (14, 165)]
+    plants = [(12, 120), (0, 255), (0, 100), (0, 166), (11, 101), (11, 165)]
     for i, (spread, t) in zip(torch.randperm(len(groups), generator=gen).tolist(), plants):
         e, g0 = groups[i]
         rows = [r for p in range(g0, g0 + 64) if (r := _checkpoint_row(p, N, fuse)) is not None]
@@ -405,7 +405,7 @@ def test_emulated_e4m3_row_base_decode_is_exact(gen, fuse):
     """The row-base path folds every weight relative to its row's base B (table entry B - s)
     and promotes without the per-stage factor: weight for weight, e4m3 value * 2^(B - 133) is
     exactly what the per-stage bases give (and the dequantized checkpoint), on rows whose bytes
-    stay within 14 of their top; rows of other groups keep the per-stage path."""
+    stay within 11 of their top; rows of other groups keep the per-stage path."""
     E, N, K = 2, 160, 512
     w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
     s = narrow_some_groups(gen, rand_weights(gen, E, N, K)[1], fuse, 0.5, 101, 165)
@@ -519,7 +519,7 @@ def _to(x):
 def make_case(gen, *, E, N, K, dtype, masked, counts=None, cap=None, pad_max=3, mode="plain",
               wlo=110, whi=140, narrow=0.5):
     """Weights, activations and a layout. Returns dict with everything on the CPU. A `narrow`
-    fraction of the packed 64-row groups has each row's scale bytes within 14 of its top
+    fraction of the packed 64-row groups has each row's scale bytes within 11 of its top
     (narrow_some_groups): W4A8 runs those on row bases, the others on per-stage bases."""
     fuse = mode != "plain"
     w, s = rand_weights(gen, E, N, K, wlo, whi)

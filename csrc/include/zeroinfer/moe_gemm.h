@@ -88,11 +88,14 @@ constexpr int kMxfp4PackK = 128;
 // W4A8 row bases (Mxfp4CudaGemmParams::row_base): the window of B, 133 +- 32, keeps the scaled
 // accumulators within 2^32 of the per-stage ones (real checkpoints' bytes sit well inside it,
 // ~110..130); 0 (the "none" mark) and 255 (NaN) lie outside it. A row's bytes must lie within
-// kMxfp4RowBaseSpread of B (the W4A8 rule's exact range), and the rows one decision covers are
-// those of one float8 warpgroup.
+// kMxfp4RowBaseSpread of B, and the rows one decision covers are those of one float8 warpgroup.
+// Spread 11, not the rule's exact range 14: within 11 no weight is an e4m3 subnormal under either
+// base (0.5 * 2^(s-B+6) >= 2^-6), and the float8 wgmma does not scale chains with subnormal inputs
+// exactly (H200, session 8: spreads of 12..14 changed ~2 outputs in 10^5 by 1e-7..2e-6; 0 of
+// ~7 x 10^5 at spreads 0, 4 and 11).
 constexpr int kMxfp4RowBaseMin = 101;
 constexpr int kMxfp4RowBaseMax = 165;
-constexpr int kMxfp4RowBaseSpread = 14;
+constexpr int kMxfp4RowBaseSpread = 11;
 constexpr int kMxfp4RowBaseGroup = 64;
 
 struct Mxfp4CudaGemmParams {
@@ -105,9 +108,9 @@ struct Mxfp4CudaGemmParams {
   // W4A8 only, optional: uint8 [num_experts, n_pad], one base per packed row (zeroinfer.ops.
   // mxfp4_prepack makes it; the values are trusted, and any value is memory safe). 0 or nullptr:
   // the per-stage bases b of the W4A8 rule. Nonzero: B = the row's largest scale byte, with
-  // every scale byte s of the row >= B - 14 and B in [kMxfp4RowBaseMin, kMxfp4RowBaseMax]. The
+  // every scale byte s of the row >= B - 11 and B in [kMxfp4RowBaseMin, kMxfp4RowBaseMax]. The
   // row then folds relative to B at every stage: q' = e2m1 * 2^(s-B+6) = q * 2^(b-B), exact like
-  // q (s - B >= -14); the stage's wgmma partial is 2^(b-B) times the per-stage one (a power-of-
+  // q, and no e4m3 subnormal under either base (s - B >= -11); the stage's wgmma partial is 2^(b-B) times the per-stage one (a power-of-
   // two scale of every product, all in float32's normal range: nonzero products of e4m3 values
   // are >= 2^-18); the kernel keeps acc' = fma(partial', a_scale, acc') = acc * 2^(133-B) and
   // multiplies by 2^(B-133) once at the end: a float32 multiply per output and stage less.
