@@ -91,8 +91,8 @@ constexpr int kMxfp4PackK = 128;
 // kMxfp4RowBaseSpread of B, and the rows one decision covers are those of one float8 warpgroup.
 // Spread 11, not the rule's exact range 14: within 11 no weight is an e4m3 subnormal under either
 // base (0.5 * 2^(s-B+6) >= 2^-6), and the float8 wgmma does not scale chains with subnormal inputs
-// exactly (H200, session 8: a spread of 14 changed 2 of ~1.2 x 10^5 outputs by 1e-7..2e-6; 0 of
-// ~7 x 10^5 at spreads 0, 4 and 11).
+// exactly (H200, session 8, bench/probe_w4a8_row_base_spread.py: a spread of 14 changed 0-2 of
+// ~1.2 x 10^5 outputs by 8e-8..2e-6; none at spreads 0, 4, 11 and 12).
 constexpr int kMxfp4RowBaseMin = 101;
 constexpr int kMxfp4RowBaseMax = 165;
 constexpr int kMxfp4RowBaseSpread = 11;
