@@ -110,9 +110,9 @@ struct Mxfp4CudaGemmParams {
   // the per-stage bases b of the W4A8 rule. Nonzero: B = the row's largest scale byte, with
   // every scale byte s of the row >= B - 11 and B in [kMxfp4RowBaseMin, kMxfp4RowBaseMax]. The
   // row then folds relative to B at every stage: q' = e2m1 * 2^(s-B+6) = q * 2^(b-B), exact like
-  // q, and no e4m3 subnormal under either base (s - B >= -11); the stage's wgmma partial is 2^(b-B) times the per-stage one (a power-of-
-  // two scale of every product, all in float32's normal range: nonzero products of e4m3 values
-  // are >= 2^-18); the kernel keeps acc' = fma(partial', a_scale, acc') = acc * 2^(133-B) and
+  // q, and no e4m3 subnormal under either base (s - B >= -11); the stage's wgmma partial is
+  // 2^(b-B) times the per-stage one (a power-of-two scale of every product, all in float32's
+  // normal range: nonzero products of e4m3 values are >= 2^-18); the kernel keeps acc' = fma(partial', a_scale, acc') = acc * 2^(133-B) and
   // multiplies by 2^(B-133) once at the end: a float32 multiply per output and stage less.
   // A power-of-two scale commutes with float32 rounding while nothing leaves the normal range,
   // so the results are bitwise those of the per-stage bases unless a running sum x of the row

@@ -205,8 +205,9 @@ def _w4a8_row_bases(sc: torch.Tensor) -> torch.Tensor:
     """W4A8 row bases of packed scale bytes ``sc`` uint8 ``[E, n_pad, k_pad/32]`` (packed row
     order: every byte the kernel reads, padding rows' 127 included): uint8 ``[E, n_pad]``, each
     row's largest byte B where every row of its 64-row group (the rows of one float8
-    warpgroup) folds exactly relative to its own B (every byte >= B - 11, so that no weight is an e4m3 subnormal) with B in the window
-    [MXFP4_ROW_BASE_MIN, MXFP4_ROW_BASE_MAX] (which leaves out 255, NaN); 0 for the whole group
+    warpgroup) folds exactly relative to its own B (every byte >= B - 11, so that no weight is an
+    e4m3 subnormal) with B in the window [MXFP4_ROW_BASE_MIN, MXFP4_ROW_BASE_MAX] (which leaves
+    out 255, NaN); 0 for the whole group
     otherwise (per-stage bases). The rule and why it changes no result: Mxfp4CudaGemmParams::
     row_base in zeroinfer/moe_gemm.h."""
     s = sc.to(torch.int16)
