@@ -13,7 +13,7 @@
 //     read at the moment (two tiles; one for 16 heads, so that two CTAs share an SM).
 // Warps are arranged R x C:
 //   S = Q K^T   warp (rg, cg) ends with heads rg*16.. over entries cg*(64/C).. (all 512 dims;
-//               with C = 8 computed as partials over half of the dims and 16 entries, summed
+//               on mma.sync computed as partials over half of the dims and 16 entries, summed
 //               through shared memory, so that the row group's Q is read twice, not 8 times),
 //   softmax     row maxima exchanged through shared memory within the row group; the running
 //               max moves lazily (only when it grows by more than 2^8),
@@ -75,11 +75,6 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r
                                         uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x2(uint32_t addr, uint32_t& r0, uint32_t& r1) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r0), "=r"(r1)
                : "r"(addr));
 }
 __device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1,
@@ -593,7 +588,6 @@ __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_ba
                                        uint32_t k_base, int rg, int cg, int lane, float* xchg) {
   using G = Geom<R>;
   constexpr int NT = G::NT;
-  const int n0 = cg * G::kEntriesPerWarp;
   if constexpr (G::kWgmma) {
     static_assert(NT == 4, "64 heads: each warpgroup keeps 32 entries");
     float full[32];  // this warpgroup's partial S[64 heads, 64 entries]: n8 group j at 4j..
@@ -635,7 +629,8 @@ __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_ba
         s[i][x] = first ? own + o[x] : o[x] + own;
       }
     }
-  } else if constexpr (NT == 1 && G::C == 8) {
+  } else {
+    static_assert(NT == 1 && G::C == 8, "mma.sync kernels: 16 heads a row group, 8 warps");
     // 16 or 32 heads (8 warps a row group): were each warp to take its 8 entries over all 512
     // dims, every warp would read the whole Q of its row group from shared memory each tile
     // (8x Q, the kernel's largest shared-memory stream, and one ldmatrix of Q per mma). Instead
@@ -649,6 +644,9 @@ __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_ba
     for (int u = 0; u < 2; ++u)
 #pragma unroll
       for (int j = 0; j < 2; ++j) sa[u][j][0] = sa[u][j][1] = sa[u][j][2] = sa[u][j][3] = 0.f;
+    // A thread's ldmatrix row is fixed and its chunk is 2 kk + hi, so the swizzled chunk
+    // (2 kk + hi) ^ (row % 8) takes four values (kk % 4) and the 64-column panel moves by a
+    // constant every four k-steps: four base addresses plus immediates, no per-step math.
     const int qrow = rg * 16 + (lane & 15), qhi = lane >> 4;
     const int krow = 16 * eq + (lane & 7) + ((lane >> 4) << 3), khi = (lane >> 3) & 1;
     uint32_t qa[4], ka[4];
@@ -687,55 +685,6 @@ __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_ba
     s[0][1] = lo0.y + lo1.y;
     s[0][2] = hi0.x + hi1.x;
     s[0][3] = hi0.y + hi1.y;
-  } else {
-    // kAcc independent accumulator sets over k break the mma dependency chain when a warp has
-    // few n8 tiles (one chain per tile otherwise).
-    constexpr int kAcc = NT >= 4 ? 1 : 4 / NT;
-    float sa[kAcc][NT][4];
-#pragma unroll
-    for (int u = 0; u < kAcc; ++u)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) sa[u][j][0] = sa[u][j][1] = sa[u][j][2] = sa[u][j][3] = 0.f;
-    // A thread's ldmatrix row is fixed and its chunk is 2 kk + hi, so the swizzled chunk
-    // (2 kk + hi) ^ (row % 8) takes four values (kk % 4) and the 64-column panel moves by a
-    // constant every four k-steps: four base addresses plus immediates, no per-step math.
-    const int qrow = rg * 16 + (lane & 15), qhi = lane >> 4;
-    const int krow = n0 + (lane & 7) + (NT == 1 ? 0 : ((lane >> 4) << 3)), khi = (lane >> 3) & 1;
-    uint32_t qa[4], ka[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      qa[j] = q_base + qrow * 128 + ((((2 * j) | qhi) ^ (qrow & 7)) << 4);
-      ka[j] = k_base + krow * 128 + ((((2 * j) | khi) ^ (krow & 7)) << 4);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kDim / 16; ++kk) {
-      const int u = kk % kAcc;
-      uint32_t a0, a1, a2, a3;
-      ldsm_x4(qa[kk & 3] + (kk >> 2) * (G::kHeads * 128), a0, a1, a2, a3);
-      const uint32_t kaddr = ka[kk & 3] + (kk >> 2) * (kTileN * 128);
-      if constexpr (NT == 1) {
-        uint32_t b0, b1;
-        ldsm_x2(kaddr, b0, b1);
-        mma_bf16(sa[u][0], a0, a1, a2, a3, b0, b1);
-      } else {
-#pragma unroll
-        for (int j = 0; j < NT; j += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4(kaddr + j * 8 * 128, b0, b1, b2, b3);
-          mma_bf16(sa[u][j], a0, a1, a2, a3, b0, b1);
-          mma_bf16(sa[u][j + 1], a0, a1, a2, a3, b2, b3);
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        float v = sa[0][j][x];
-#pragma unroll
-        for (int u = 1; u < kAcc; ++u) v += sa[u][j][x];
-        s[j][x] = v;
-      }
   }
 }
 
