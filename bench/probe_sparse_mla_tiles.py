@@ -23,7 +23,7 @@ from zeroinfer.ops import sparse_mla_attention  # noqa: E402
 from zeroinfer.testing import bench  # noqa: E402
 
 LENGTHS = (64, 128, 192, 256, 384, 512, 640)
-HEADS = 64
+DEFAULT_HEADS = 64
 
 
 def cut(kw: dict, length: int) -> dict:
@@ -48,13 +48,13 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return a, b
 
 
-def overheads(fmt: str, gen: torch.Generator) -> None:
+def overheads(fmt: str, heads: int, gen: torch.Generator) -> None:
     """What the timing itself contains: a one-element op replayed as a graph (launch + events),
     and the b = 128 call with the L2 left warm, flushed by the memset (the benchmark's way, which
     leaves the L2 full of dirty lines), or flushed by a read (clean lines)."""
     tiny = torch.zeros(1, device="cuda")
     print(f"null graph (L2 flushed): {bench.time_cuda_graph(lambda: tiny.add_(1)) * 1e6:.2f} us")
-    kw, _ = make_inputs(128, HEADS, fmt, "cuda", gen)
+    kw, _ = make_inputs(128, heads, fmt, "cuda", gen)
     out, lse = sparse_mla_attention(**kw)
     fn = lambda: sparse_mla_attention(**kw, out=out, lse=lse)  # noqa: E731
     g = torch.cuda.CUDAGraph()
@@ -81,22 +81,21 @@ def main() -> None:
         sys.exit("probe_sparse_mla_tiles.py needs a CUDA GPU")
     args = sys.argv[1:]
     fmt = "bf16" if "bf16" in args else "fp8"
-    global HEADS
-    HEADS = next((int(a[1:]) for a in args if a.startswith("h")), HEADS)
+    heads = next((int(a[1:]) for a in args if a.startswith("h")), DEFAULT_HEADS)
     skip_overheads = "--no-overheads" in args
     batches = [int(a) for a in args if a.isdigit()] or [64, 128, 256]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     if not skip_overheads:
-        overheads(fmt, gen)
-    print(f"{fmt} cache, {HEADS} heads, s_q 1; time_us with L2 flushed")
+        overheads(fmt, heads, gen)
+    print(f"{fmt} cache, {heads} heads, s_q 1; time_us with L2 flushed")
     print(f"{'batch':>5} {'L':>4} {'tiles':>5} {'splits':>6} {'time_us':>8}")
     for batch in batches:
-        kw, _ = make_inputs(batch, HEADS, fmt, "cuda", gen)
+        kw, _ = make_inputs(batch, heads, fmt, "cuda", gen)
         by_plan: dict[int, list[tuple[int, float]]] = {}
         for length in LENGTHS:
             call = cut(kw, length)
-            splits, tiles_per_cta, _ = _C.sparse_mla_cuda_plan(batch, HEADS, length, sms,
+            splits, tiles_per_cta, _ = _C.sparse_mla_cuda_plan(batch, heads, length, sms,
                                                                 fp8=fmt == "fp8")
             out, lse = sparse_mla_attention(**call)
             t = bench.time_cuda_graph(

@@ -14,7 +14,18 @@ import torch
 sys.path.insert(0, "tests/ops")
 import test_moe_gemm_cuda as T  # noqa: E402
 
+import zeroinfer.ops.moe_gemm as mg  # noqa: E402
 from zeroinfer.ops.moe_gemm import mxfp4_prepack  # noqa: E402
+
+
+def forced_row_bases(pw, hi):
+    """Row bases = each packed row's largest byte (the checkpoint rows mapped to packed rows the
+    way mxfp4_prepack does), ignoring the spread rule."""
+    _, src = mg._packed_rows(hi.shape[1], pw.fuse_swiglu, hi.device)
+    rb = torch.full((hi.shape[0], src.numel()), 127, dtype=torch.uint8, device=hi.device)
+    valid = src >= 0
+    rb[:, valid] = hi[:, src[valid]]
+    return rb.contiguous()
 
 
 def main() -> None:
@@ -32,7 +43,7 @@ def main() -> None:
                                act_dtype=T.FP8)
             if spread > T._C.MXFP4_ROW_BASE_SPREAD:  # force the row bases past the kernel's rule
                 hi = c["s"].cuda().amax(-1).to(torch.uint8)
-                pw = dataclasses.replace(pw, row_base=mg_row_bases(pw, hi))
+                pw = dataclasses.replace(pw, row_base=forced_row_bases(pw, hi))
             got = T.run_cuda(c, out_dtype=torch.float32, packed=pw)
             ref = T.run_cuda(c, out_dtype=torch.float32,
                              packed=dataclasses.replace(pw, row_base=None))
@@ -42,17 +53,6 @@ def main() -> None:
                   f"{float((pw.row_base != 0).float().mean()):.2f}, outputs differing "
                   f"{int(diff.sum())} of {diff.numel()}, max relative "
                   f"{float(rel.max()) if diff.any() else 0.0:.3g}")
-
-
-def mg_row_bases(pw, hi):
-    """Row bases = each packed row's largest byte (the checkpoint rows mapped to packed rows the
-    way mxfp4_prepack does), ignoring the spread rule."""
-    import zeroinfer.ops.moe_gemm as mg
-    _, src = mg._packed_rows(hi.shape[1], pw.fuse_swiglu, hi.device)
-    rb = torch.full((hi.shape[0], src.numel()), 127, dtype=torch.uint8, device=hi.device)
-    valid = src >= 0
-    rb[:, valid] = hi[:, src[valid]]
-    return rb.contiguous()
 
 
 if __name__ == "__main__":
