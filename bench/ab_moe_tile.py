@@ -1,8 +1,6 @@
-"""A/B of the MXFP4 grouped GEMM's tile shapes on the H200 at V4-Flash expert shapes: for bf16 the
-mma.sync small (1) and large (2) tiles against the wgmma tile (4), for float8 the tiny (3),
-small (1), wide (2: 128 tokens, one CTA an SM) and prefill (4) wgmma tiles, each forced for every
-expert,
-checked against each other (relative error, bitwise equality) and timed (CUDA-graph replay, L2
+"""A/B of the MXFP4 grouped GEMM's tile shapes on the H200 at V4-Flash expert shapes: the tiny
+(3), small (1), wgmma (4: 64 tokens) and wide (2: 128 tokens) tiles (bf16 runs tiny and small on
+mma.sync, float8 every tile on wgmma), each forced for every expert, checked against each other (relative error, bitwise equality) and timed (CUDA-graph replay, L2
 flushed), with TFLOP/s and the fraction of the bf16 (or, with `fp8`, the measured fp8) peak.
 Used for every step in bench/results/h200/moe_gemm_NOTES.md (sessions 4-6).
 
@@ -41,7 +39,7 @@ for name, (n, k, fuse) in {"gate_up": (2 * INTER, HIDDEN, True), "down": (HIDDEN
                                              expert_offsets=offsets, fuse_swiglu=fuse,
                                              swiglu_limit=LIMIT if fuse else None)
             res = {}
-            tiles = (3, 1, 2, 4) if fp8 else (1, 2, 4)  # float8's tile 2: WgFp8WideCfg
+            tiles = (3, 1, 2, 4)
             for tile in tiles:
                 mg._FORCE_TILE = tile
                 out = run().float()

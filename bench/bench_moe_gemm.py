@@ -37,14 +37,13 @@ from zeroinfer.testing import bench
 HIDDEN, INTER, EXPERTS, TOPK, LIMIT = 4096, 2048, 256, 6, 10.0
 CPU_EXPERTS = 16
 # The CUDA kernel's tile shapes (_C.mxfp4_cuda_plan picks one from the shapes, or up to four
-# split between the experts by their row counts on the device; tile 2 is "wide" for float8).
-_TILE_NAMES = {1: "small", 2: "large", 3: "tiny", 4: "wgmma"}
+# split between the experts by their row counts on the device).
+_TILE_NAMES = {1: "small", 2: "wide", 3: "tiny", 4: "wgmma"}
 
 
 def _plan_name(fp8, m):
     launches = _C.mxfp4_cuda_plan(fp8, False, m, EXPERTS, 0, 0)
-    names = {**_TILE_NAMES, **({2: "wide"} if fp8 else {})}
-    return "|".join(names[t] + (f">={lo}" if lo else "") for t, lo in launches)
+    return "|".join(_TILE_NAMES[t] + (f">={lo}" if lo else "") for t, lo in launches)
 
 
 def torch_grouped(a, w, s, offsets, fuse, limit, out_dtype):

@@ -67,7 +67,7 @@ s8 = torch.randint(115, 135, (E, N, K8 // 32), generator=gen, dtype=torch.uint8)
 p8 = mxfp4_prepack(w8, s8, fuse_swiglu=True, act_dtype=torch.float8_e4m3fn)
 x8 = torch.randn(E, 21, K8, generator=gen).to("cuda", torch.float8_e4m3fn)
 sc8 = torch.rand(E, 21, K8 // 128, generator=gen).cuda()
-for tile in (1, 2, 4):  # 4: the wgmma tile
+for tile in (1, 2, 4):  # small (mma.sync for bf16), wide and 64-token wgmma tiles
     _mg._FORCE_TILE = tile
     for f in (False, True):
         mxfp4_grouped_gemm(x16, packs[f], None, expert_offsets=off, expert_counts=cnt,

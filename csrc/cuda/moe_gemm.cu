@@ -37,12 +37,11 @@
 //          6 CTAs / 24 warps per SM)
 //   small: 64 rows x 32 tokens (decode; bf16 skips the n8 steps past the expert's rows, so 1..8
 //          tokens cost one mma per weight fragment)
-//   large: bf16 only, 8 warps as 4 (N) x 2 (M), warp tile 64 x 64 = 256 x 128 (mma.sync)
-//   wgmma: 2 warpgroups x 64 rows x 128 (bf16) / 64 (float8) tokens (prefill; see WgCfg)
-//   wide:  float8 only, 2 warpgroups x 64 rows x 128 tokens at one CTA an SM (large experts)
-// bf16 runs tiny / small / large on mma.sync m16n8k16 (Cfg) and the prefill tile on wgmma, whose
-// k16 reduction gives bitwise the results of the mma.sync tiles (tested); float8 runs every
-// shape on wgmma (WgCfg: 1 warpgroup for tiny and small).
+//   wgmma: 2 warpgroups x 64 rows x 64 tokens (experts of a few tens of rows; see WgCfg)
+//   wide:  2 warpgroups x 64 rows x 128 tokens (large experts; bf16 two CTAs an SM, float8 one)
+// bf16 runs tiny / small on mma.sync m16n8k16 (Cfg) and the larger tiles on wgmma, whose k16
+// reduction gives bitwise the results of the mma.sync tiles (tested); float8 runs every shape on
+// wgmma (WgCfg: 1 warpgroup for tiny and small).
 // Persistent grid: each CTA builds the per-expert tile prefix ON THE DEVICE from the offsets /
 // counts / masked_m (no host sync), then walks the work items (tile slot, N tile) with a grid
 // stride; slots past the device-computed total exit. Rows of a tile past the expert's count are
@@ -95,8 +94,10 @@ struct Cfg {
   static constexpr int pipe_bytes = kStages * stage_bytes;  // the schedule arrays follow
   static constexpr int chunks_per_row = kBK * 2 / 16;
   static_assert(stage_bytes % 16 == 0, "stage must keep 16-byte alignment");
-  // A warp's strips never straddle the end of the packed rows (kMxfp4PackRows / 16 = 8 strips).
-  static_assert((kMxfp4PackRows / 16) % kWN == 0, "warp strips must divide the row padding");
+  // The mma.sync tiles are the decode tiles: a warp decodes one 16-row strip and copies it, and
+  // a thread copies at most 4 activation chunks a stage (kernel: kRowStep, kAChunks).
+  static_assert(kWN == 1 && kWarpsM == 1, "mma.sync tiles: one warp a strip");
+  static_assert(bm * chunks_per_row <= 4 * threads, "at most 4 activation chunks a thread");
 };
 
 using SmallCfg = Cfg<4, 1, 1, 4, 5, 3>;
@@ -106,14 +107,13 @@ using SmallCfg = Cfg<4, 1, 1, 4, 5, 3>;
 // decode's dependency latency. Five stages; measured on the H200 against 5 CTAs x 6 stages (+3-4%
 // of HBM at 1-32 tokens) and 7 CTAs x 4 stages (slower).
 using TinyCfg = Cfg<4, 1, 1, 1, 5, 6>;
-using LargeCfg = Cfg<4, 2, 4, 8, 3, 1>;
 
 
 // The wgmma tiles: kGroups warpgroups x 64 weight rows (warp w of warpgroup cw owns packed strip
 // 4 cw + w) x bm tokens. Weights are the wgmma A operand taken from registers (the RS form): a
 // warp's RS fragment is the mma.m16n8k16 (bf16) / m16n8k32 (e4m3) A fragment of its 16 rows,
 // i.e. exactly what the decoders give from the lane's prepacked word.
-//   bf16 (prefill: 2 x 64 rows x 128 tokens, m64n128k16): the word's k order is the prepack's
+//   bf16 (2 x 64 rows x 64 / 128 tokens, m64n{bm}k16): the word's k order is the prepack's
 //     k-slot order (slot pair q of a 16-k group holds real pair 0,2,4,6,1,3,5,7); tokens are the B
 //     operand from shared memory (K-major, 128-byte swizzle) and must be in that same order: the
 //     caller passes the activations again with each 16-k group's bf16 pairs permuted so
@@ -169,8 +169,13 @@ struct WgCfg {
   // store_tile_staged's [bm][columns + 16 bytes] float32 output tile reuses the ring.
   static_assert(bm * (strips * 16 * 4 + 16) <= pipe_bytes - 1024, "output tile fits the ring");
 };
-// bf16 prefill: two CTAs an SM (<= 128 registers), each covering the other's barriers.
-using WgBf16Cfg = WgCfg<false, 2, 128, 2, 1, 2>;
+// bf16 wgmma (tile 4, experts of 33..64 rows): 64-token tiles, two CTAs an SM, 3 stages ahead;
+// wide (tile 2, from 65 rows): 128-token tiles, two CTAs an SM (<= 128 registers) each covering
+// the other's barriers. Measured on the H200 (moe_gemm_NOTES.md, session 9): at 48 rows an
+// expert the 64-token tile is 1.25-1.3x the 128-token one (tiles 3/4 instead of 3/8 full), at
+// 96 rows 0.78x; two CTAs of 2 stages or one warpgroup x 3 CTAs were 3-7% slower.
+using WgBf16Cfg = WgCfg<false, 2, 64, 4, 3, 2>;
+using WgBf16WideCfg = WgCfg<false, 2, 128, 2, 1, 2>;
 // float8: prefill (tile 4), wide prefill (tile 2), decode (small, tile 1) and tiny (tile 3).
 // Measured alternatives for the prefill tile (bench/results/h200/moe_gemm_NOTES.md, session 5):
 // two groups in flight at one CTA an SM (222 registers) -20%; one warpgroup x 4 CTAs -7%.
@@ -548,22 +553,18 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const uint8_t* atile =
         static_cast<const uint8_t*>(p.a) + static_cast<int64_t>(tile_row0) * k * kEsize;
 
-    // Decode tiles (one warp a strip): warp w copies its own strip's stage, chunks lane + 32 u
-    // of the strip's contiguous kStripStage bytes, so a chunk's addresses are one add from the
-    // stage's; a strip past the weight rows is skipped as a whole. The prefill tile (register-
-    // bound, 16 strips over 8 warps) walks the tile's chunks.
-    constexpr bool kPre = C::strips * 32 == C::threads;
+    // Warp w copies its own strip's stage, chunks lane + 32 u of the strip's contiguous
+    // kStripStage bytes, so a chunk's addresses are one add from the stage's; a strip past the
+    // weight rows is skipped as a whole.
     const bool strip_loaded = warp < strips_valid;
     const uint8_t* w_src = wtile + static_cast<int64_t>(warp) * kb_total * kBlk + lane * 16;
     const uint32_t w_dst = static_cast<uint32_t>(warp * kStripStage + lane * 16);
 
     // Activation chunks: thread tid copies 16-byte chunk a_cc of rows a_r0 + u * kRowStep; the
-    // row / column split is computed once per item (the small and tiny tiles; the register-bound
-    // prefill tile keeps the loop).
+    // row / column split is computed once per item.
     constexpr int kRowStep = C::threads / C::chunks_per_row;
     static_assert(C::threads % C::chunks_per_row == 0, "a thread's chunks share one column");
     constexpr int kAChunks = (C::bm + kRowStep - 1) / kRowStep;
-    constexpr bool kAPre = kAChunks <= 4;
     const int a_r0 = tid / C::chunks_per_row, a_cc = tid - a_r0 * C::chunks_per_row;
     const int64_t a_off0 = (static_cast<int64_t>(a_r0) * k + a_cc * (16 / kEsize)) * kEsize;
     const uint32_t a_dst0 = static_cast<uint32_t>(C::w_bytes + a_r0 * C::a_pitch + a_cc * 16);
@@ -577,44 +578,22 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 
     auto load_stage = [&](int slot_idx, int kt) {
       uint8_t* st = smem + slot_idx * C::stage_bytes;
-      if constexpr (kPre) {
-        if (strip_loaded) {
-          const uint32_t dst = smem_u32(st) + w_dst;
-          const uint8_t* src = w_src + static_cast<int64_t>(kt) * kStripStage;
+      if (strip_loaded) {
+        const uint32_t dst = smem_u32(st) + w_dst;
+        const uint8_t* src = w_src + static_cast<int64_t>(kt) * kStripStage;
 #pragma unroll
-          for (int u = 0; u < (kStripChunks + 31) / 32; ++u) {
-            if (lane + 32 * u < kStripChunks) cp_async16(dst + 512 * u, src + 512 * u, true);
-          }
-        }
-      } else {
-        const uint8_t* wk = wtile + static_cast<int64_t>(kt) * kStripStage;
-        for (int c = tid; c < C::strips * kStripChunks; c += C::threads) {
-          const int i = c / kStripChunks, off = (c - i * kStripChunks) * 16;
-          if (i < strips_valid)
-            cp_async16(smem_u32(st + i * kStripStage + off),
-                       wk + static_cast<int64_t>(i) * kb_total * kBlk + off, true);
+        for (int u = 0; u < (kStripChunks + 31) / 32; ++u) {
+          if (lane + 32 * u < kStripChunks) cp_async16(dst + 512 * u, src + 512 * u, true);
         }
       }
-      if constexpr (kAPre) {
-        const uint32_t dst = smem_u32(st) + a_dst0;
-        const bool valid = kt < a_kt_end;
-        const uint8_t* src0 = a_src + static_cast<int64_t>(kt) * (kBK * kEsize);
+      const uint32_t dst = smem_u32(st) + a_dst0;
+      const bool valid = kt < a_kt_end;
+      const uint8_t* src0 = a_src + static_cast<int64_t>(kt) * (kBK * kEsize);
 #pragma unroll
-        for (int u = 0; u < kAChunks; ++u) {
-          if (u < a_rows)
-            cp_async16(dst + u * kRowStep * C::a_pitch,
-                       valid ? static_cast<const void*>(src0 + u * a_row_step) : p.a, valid);
-        }
-      } else {
-        for (int c = tid; c < tile_rows * C::chunks_per_row; c += C::threads) {
-          const int r = c / C::chunks_per_row, cc = c - r * C::chunks_per_row;
-          const int kk = kt * kBK + cc * (16 / kEsize);
-          const bool valid = kk < k;
-          const void* src = valid ? static_cast<const void*>(
-                                        atile + (static_cast<int64_t>(r) * k + kk) * kEsize)
-                                  : p.a;
-          cp_async16(smem_u32(st + C::w_bytes + r * C::a_pitch + cc * 16), src, valid);
-        }
+      for (int u = 0; u < kAChunks; ++u) {
+        if (u < a_rows)
+          cp_async16(dst + u * kRowStep * C::a_pitch,
+                     valid ? static_cast<const void*>(src0 + u * a_row_step) : p.a, valid);
       }
     };
 
@@ -645,7 +624,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       if (warp_active) {
         if constexpr (C::wt == 1) {  // tiny decode tile: one live token step
           compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
-        } else if constexpr (C::wt == 4) {  // decode tile: one variant per live token-step count
+        } else {  // small decode tile: one variant per live token-step count
+          static_assert(C::wt == 4, "the mma.sync tiles are 8 or 32 tokens wide");
           if (nj == 1)
             compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
           else if (nj == 2)
@@ -654,8 +634,6 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
             compute_stage<C, kWide, 3>(st, lane, warp_n, warp_m, nj, acc);
           else
             compute_stage<C, kWide, 4>(st, lane, warp_n, warp_m, nj, acc);
-        } else {  // prefill tile: run-time count (register budget)
-          compute_stage<C, kWide, 0>(st, lane, warp_n, warp_m, nj, acc);
         }
       }
     }
@@ -893,7 +871,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           wgmma::fence_operands(f);
           wgmma::fence_operands(desc);
           wgmma::fence();
-          wgmma::wgmma_m64n128k16_bf16_rs(acc, f, desc[0]);
+          wgmma::wgmma_bf16_rs<C::bm>(acc, f, desc[0]);
           wgmma::commit();
           wgmma::wait<1>();
         }
@@ -1071,13 +1049,13 @@ void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
     launch_variant<C, false>(p, stream);
 }
 
-// Tile number (Mxfp4CudaGemmParams::tile) -> config: 1 small, 2 large / wide, 3 tiny, 4 prefill.
-template <class Small, class Large, class Tiny, class Prefill>
+// Tile number (Mxfp4CudaGemmParams::tile) -> config: 1 small, 2 wide, 3 tiny, 4 wgmma.
+template <class Small, class Wide, class Tiny, class Wgmma>
 void launch_tile(int tile, const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   if (tile == 4)
-    launch<Prefill>(p, stream);
+    launch<Wgmma>(p, stream);
   else if (tile == 2)
-    launch<Large>(p, stream);
+    launch<Wide>(p, stream);
   else if (tile == 3)
     launch<Tiny>(p, stream);
   else
@@ -1118,13 +1096,13 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
                   : (p.m >= 0 && p.m < (int64_t{1} << 31)),
            "row count out of the CUDA kernel's int32 range");
   ZI_CHECK(p.tile >= 0 && p.tile <= 4,
-           "tile must be 0 (auto), 1 (small), 2 (large), 3 (tiny) or 4 (wgmma)");
+           "tile must be 0 (auto), 1 (small), 2 (wide), 3 (tiny) or 4 (wgmma)");
   const Mxfp4CudaPlan plan = mxfp4_cuda_plan(p.a_dtype == DType::kFloat8E4M3, masked, p.m,
                                              p.num_experts, p.cap, p.tile);
-  ZI_CHECK((p.a_kslot != nullptr) ==
-               (p.a_dtype == DType::kBFloat16 && mxfp4_plan_uses(plan, 4)),
-           "a_kslot (the activations in k-slot order) goes with the bf16 wgmma tile, and only "
-           "with it");
+  ZI_CHECK((p.a_kslot != nullptr) == (p.a_dtype == DType::kBFloat16 &&
+                                      (mxfp4_plan_uses(plan, 4) || mxfp4_plan_uses(plan, 2))),
+           "a_kslot (the activations in k-slot order) goes with the bf16 wgmma tiles (2, 4), and "
+           "only with them");
   auto s = static_cast<cudaStream_t>(stream);
   auto run = [&](int tile, int32_t rows_lo, int32_t rows_hi) {
     Mxfp4CudaGemmParams q = p;
@@ -1133,7 +1111,7 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
     if (q.a_dtype == DType::kFloat8E4M3)  // wgmma at every size (see WgCfg)
       launch_tile<WgFp8SmallCfg, WgFp8WideCfg, WgFp8TinyCfg, WgFp8Cfg>(tile, q, s);
     else
-      launch_tile<SmallCfg, LargeCfg, TinyCfg, WgBf16Cfg>(tile, q, s);
+      launch_tile<SmallCfg, WgBf16WideCfg, TinyCfg, WgBf16Cfg>(tile, q, s);
   };
   for (int i = 0; i < plan.launches; ++i) {
     const int64_t hi = i + 1 < plan.launches ? plan.from_rows[i + 1] : INT32_MAX;

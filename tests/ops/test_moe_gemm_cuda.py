@@ -295,8 +295,8 @@ def test_cuda_plan():
     launcher): a tuple of launches (tile, from_rows). The base tile from the average rows per
     expert (tiny below 4; masked: the capacity alone), then one launch per higher tier that some
     expert can reach and whose work pays for a launch: small (1) from 9 rows (64 rows in all),
-    wgmma (4) from 48 bf16 / 32 float8 rows (256 in all), float8 wide (2) from 512 (1024 in
-    all); a requested tile runs all."""
+    wgmma (4) from 33 bf16 / 32 float8 rows (256 in all), wide (2) from 65 bf16 (512 in all) /
+    512 float8 rows (1024 in all); a requested tile runs all."""
     def plan(fp8=False, masked=False, m=0, cap=0, requested=0, E=256):
         return tuple(tuple(t) for t in _C.mxfp4_cuda_plan(
             fp8=fp8, masked=masked, m=m, num_experts=E, cap=cap, requested=requested))
@@ -304,11 +304,14 @@ def test_cuda_plan():
     assert plan(m=63) == ((3, 0),)                              # too few rows to split
     assert plan(m=64) == ((3, 0), (1, 9))                       # skewed decode: small tiles
     assert plan(m=255) == ((3, 0), (1, 9))
-    assert plan(m=256) == ((3, 0), (1, 9), (4, 48))             # + wgmma for skewed experts
-    assert plan(m=4 * 256) == ((1, 0), (4, 48))                 # small + wgmma
-    assert plan(m=47 * 256) == ((1, 0), (4, 48))
-    assert plan(m=48 * 256) == ((4, 0),)                        # every expert on wgmma
-    assert plan(m=10**6) == ((4, 0),)                           # bf16 has no wide tier
+    assert plan(m=256) == ((3, 0), (1, 9), (4, 33))             # + wgmma for skewed experts
+    assert plan(m=511) == ((3, 0), (1, 9), (4, 33))
+    assert plan(m=512) == ((3, 0), (1, 9), (4, 33), (2, 65))    # + wide
+    assert plan(m=4 * 256) == ((1, 0), (4, 33), (2, 65))        # small + wgmma + wide
+    assert plan(m=32 * 256) == ((1, 0), (4, 33), (2, 65))
+    assert plan(m=33 * 256) == ((4, 0), (2, 65))                # every expert on wgmma
+    assert plan(m=65 * 256) == ((2, 0),)                        # every expert on wide tiles
+    assert plan(m=10**6) == ((2, 0),)
     assert plan(fp8=True, m=255) == ((3, 0), (1, 9))
     assert plan(fp8=True, m=1000) == ((3, 0), (1, 9), (4, 32))
     assert plan(fp8=True, m=4096) == ((1, 0), (4, 32), (2, 512))  # float8: from 32 rows
@@ -317,9 +320,11 @@ def test_cuda_plan():
     assert plan(fp8=True, m=512 * 256) == ((2, 0),)
     assert plan(fp8=True, m=3000, E=1000) == ((3, 0), (1, 9), (4, 32), (2, 512))
     assert plan(masked=True, cap=8, E=8) == ((3, 0),)
-    assert plan(masked=True, cap=47, E=8) == ((1, 0),)
-    assert plan(masked=True, cap=48, E=8) == ((4, 0),)
-    assert plan(masked=True, cap=5000, E=8) == ((4, 0),)
+    assert plan(masked=True, cap=32, E=8) == ((1, 0),)
+    assert plan(masked=True, cap=33, E=8) == ((4, 0),)
+    assert plan(masked=True, cap=64, E=8) == ((4, 0),)
+    assert plan(masked=True, cap=65, E=8) == ((2, 0),)
+    assert plan(masked=True, cap=5000, E=8) == ((2, 0),)
     assert plan(fp8=True, masked=True, cap=9, E=8) == ((1, 0),)
     assert plan(fp8=True, masked=True, cap=32, E=8) == ((4, 0),)
     assert plan(fp8=True, masked=True, cap=512, E=8) == ((2, 0),)
@@ -500,7 +505,7 @@ DEV = torch.device("cuda")
 
 @pytest.fixture
 def tile(request):
-    """Run the kernel with a forced tile shape (1 small-M, 2 large-M, 3 tiny-M, 4 wgmma),
+    """Run the kernel with a forced tile shape (1 small-M, 2 wide, 3 tiny-M, 4 wgmma),
     restoring auto after."""
     old = mg._FORCE_TILE
     yield lambda v: setattr(mg, "_FORCE_TILE", v)
@@ -687,11 +692,12 @@ def _planned_vs_one_tile(c, tile, one_tile, what):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("masked", [False, True])
 def test_cuda_split_plan(gen, tile, masked, dtype):
-    """Skewed routing under the shape-only plan: experts with >= 48 (bf16) / 32 (float8) rows run
+    """Skewed routing under the shape-only plan: experts with >= 33 (bf16) / 32 (float8) rows run
     the wgmma tile, the others the small tile (two launches, each skipping the other's experts on
-    the device). Every row is written once, right, and bitwise as a single tile writes it."""
+    the device; too few rows in all for a wide launch). Every row is written once, right, and
+    bitwise as a single tile writes it."""
     E = 16
-    thr = 48 if dtype == torch.bfloat16 else 32
+    thr = 33 if dtype == torch.bfloat16 else 32
     counts = [300, 2, 0, 60, thr - 1, thr, 5, 1] + [0] * 8
     if masked:  # the capacity decides alone: every expert on the wgmma tile
         counts = [49, 3, 0, 47] + [0] * 12
@@ -707,21 +713,21 @@ def test_cuda_split_plan(gen, tile, masked, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 def test_cuda_every_tier(gen, tile, dtype):
-    """A routing that reaches every tier of the plan at once (tiny, small, wgmma and, for float8,
-    wide: four launches over 600 experts, each computing only its own experts and skipping the
-    others on the device), with tier boundaries hit exactly (8 / 9, 31 / 32 or 47 / 48, 511 /
-    512 rows): right against the reference, and bitwise what one tile gives."""
+    """A routing that reaches every tier of the plan at once (tiny, small, wgmma, wide: four
+    launches over 600 experts, each computing only its own experts and skipping the others on the
+    device), with tier boundaries hit exactly (8 / 9, 32 / 33 or 31 / 32, 64 / 65 or 511 / 512
+    rows): right against the reference, and bitwise what one tile gives."""
     E = 600
-    thr = 48 if dtype == torch.bfloat16 else 32
+    thr, wide = (33, 65) if dtype == torch.bfloat16 else (32, 512)
     counts = [0] * E
     for e, n in zip((0, 3, 50, 51, 100, 101, 200, 201, 300, 599, 7),
-                    (1, 8, 9, 20, thr - 1, thr, 100, 511, 512, 700, 3)):
+                    (1, 8, 9, 20, thr - 1, thr, wide - 1, wide, wide + 100, 700, 3)):
         counts[e] = n
     c = make_case(gen, E=E, N=64, K=256, dtype=dtype, masked=False, counts=counts, pad_max=1,
                   mode="swiglu_limit")
     m = sum(counts)
     plan = tuple(tuple(t) for t in _C.mxfp4_cuda_plan(dtype == FP8, False, m, E, 0, 0))
-    want = ((3, 0), (1, 9), (4, thr)) + (((2, 512),) if dtype == FP8 else ())
+    want = ((3, 0), (1, 9), (4, thr), (2, wide))
     assert plan == want, plan
     _planned_vs_one_tile(c, tile, 4, "every tier")
 

@@ -142,9 +142,9 @@ struct Mxfp4CudaGemmParams {
   bool has_swiglu_limit = false;
   float swiglu_limit = 0.f;
   // 0: the plan from the shapes (mxfp4_cuda_plan); 1: small-M tile (64 weight rows x 32 tokens,
-  // decode); 2: large-M tile (bf16: 256 x 128 on mma.sync; float8: 128 x 128 wgmma); 3: tiny-M
-  // tile (64 x 8, decode with <= 8 rows per expert: 6 CTAs per SM); 4: wgmma tile (prefill:
-  // 128 x 128 for bf16, 128 x 64 for float8). Float8 runs on wgmma at every tile (Hopper's
+  // decode); 2: wide wgmma tile (128 x 128: large experts); 3: tiny-M tile (64 x 8, decode with
+  // <= 8 rows per expert: 6 CTAs per SM); 4: wgmma tile (128 x 64: experts of a few tens of
+  // rows). bf16 runs 1 and 3 on mma.sync. Float8 runs on wgmma at every tile (Hopper's
   // float8 mma.sync rounds differently). A tile other than 0 runs every expert. Every tile gives
   // bitwise the same result.
   int tile = 0;
@@ -167,16 +167,18 @@ struct Mxfp4CudaGemmParams {
 // ~2-3 us when it finds nothing to do. Which tile where, measured on the H200
 // (bench/results/h200/moe_gemm_NOTES.md):
 //   tiny (3)   for experts with <= 8 rows: 8-token tiles, 6 CTAs an SM;
-//   small (1)  for 9 .. 47 (bf16) / 31 (float8) rows: 32-token tiles, so an expert of 32 rows
+//   small (1)  for 9 .. 32 (bf16) / 31 (float8) rows: 32-token tiles, so an expert of 32 rows
 //              streams its weights once instead of four times through tiny tiles (skewed
 //              decode: 32 tokens on 6 experts 81 -> see the notes);
-//   wgmma (4)  from 48 (bf16) / 32 (float8, 64-token tiles) rows; bf16 is 1.3x the small tile at
-//              48 even with its 128-token tiles 3/8 full;
-//   wide (2)   float8 only, from 512 rows: 128-token tiles at one CTA an SM, +6-10% over tile 4
-//              with full tiles (skewed 512 .. 8192 tokens), -5% at 192 rows (tiles 3/4 full).
+//   wgmma (4)  from 33 (bf16) / 32 (float8) rows: 64-token wgmma tiles (bf16 at 48 rows: 1.25x
+//              the 128-token tile, 1.6x the small one);
+//   wide (2)   from 65 (bf16) / 512 (float8) rows: 128-token tiles; bf16 two CTAs an SM (1.27x
+//              the 64-token tile at 96 rows), float8 one (+6-10% over tile 4 with full tiles,
+//              -5% at 192 rows).
 // The base tile follows the average rows per active expert (contiguous: m / E, i.e. tiny below
 // 4; masked: the capacity decides alone, one launch). The tiers above it: small from 64 rows in
-// all, wgmma from 256 (bf16 also pays a k-slot copy of the activations there), wide from 1024.
+// all, wgmma from 256 (bf16 also pays a k-slot copy of the activations there), wide from 512
+// (bf16) / 1024 (float8).
 struct Mxfp4CudaPlan {
   static constexpr int kMaxLaunches = 4;
   int launches = 1;
@@ -192,8 +194,9 @@ inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t n
     return plan;
   }
   constexpr int64_t kSmallRows = 9;  // the tiny tile holds 8 tokens
-  constexpr int64_t kWideRows = 512;
-  const int64_t wgmma_rows = fp8 ? 32 : 48;
+  const int64_t wgmma_rows = fp8 ? 32 : 33;
+  const int64_t wide_rows = fp8 ? 512 : 65;
+  const int64_t wide_min_m = fp8 ? 1024 : 512;
   // Tiers by the rows an expert holds: (first row count, tile, fewest rows in all for the tier
   // to be worth its own launch).
   struct Tier {
@@ -202,7 +205,7 @@ inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t n
     int64_t min_m;
   };
   const Tier tiers[4] = {{0, 3, 0}, {kSmallRows, 1, 64}, {wgmma_rows, 4, 256},
-                         {fp8 ? kWideRows : INT64_MAX, 2, 1024}};
+                         {wide_rows, 2, wide_min_m}};
   auto tier_of = [&](int64_t rows) {
     int i = 0;
     while (i + 1 < 4 && rows >= tiers[i + 1].from) ++i;

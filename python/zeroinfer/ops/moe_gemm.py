@@ -30,10 +30,10 @@ def _name(d: torch.dtype) -> str:
 
 
 _INT32_LIMIT = 2**31
-# Tile shape of the CUDA kernel: 0 = planned from the shapes (_C.mxfp4_cuda_plan), 1 = small-M,
-# 2 = large-M (bf16 mma.sync; float8: the wide 128-token wgmma tile), 3 = tiny-M (decode, <= 8 rows per expert per tile),
-# 4 = wgmma (prefill). Tests set it to run every shape on the same inputs (every shape gives
-# bitwise the same result).
+# Tile shape of the CUDA kernel: 0 = planned from the shapes (_C.mxfp4_cuda_plan), 1 = small-M
+# (32 tokens), 2 = wide (128-token wgmma tile), 3 = tiny-M (decode, <= 8 rows per expert per
+# tile), 4 = wgmma (64-token tile). Tests set it to run every shape on the same inputs (every
+# shape gives bitwise the same result).
 _FORCE_TILE = 0
 
 
@@ -349,9 +349,9 @@ def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_
     dev = a.device
     launches = _C.mxfp4_cuda_plan(a.dtype == _FP8, masked_m is not None, m_rows, num_experts,
                                   cap, _FORCE_TILE)
-    # The bf16 wgmma tile reads its own copy of the activations in k-slot order (contiguous,
-    # so 16-byte aligned rows); the e4m3 one reads `a` as it is.
-    wgmma = any(tile == 4 for tile, _ in launches)
+    # The bf16 wgmma tiles (4, 2) read their own copy of the activations in k-slot order
+    # (contiguous, so 16-byte aligned rows); the e4m3 ones read `a` as it is.
+    wgmma = any(tile in (2, 4) for tile, _ in launches)
     a_kslot = _kslot_order(a) if wgmma and a.dtype == torch.bfloat16 else None
     if a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
         a = a.clone()
