@@ -34,7 +34,7 @@
 // float8 scales of that k block). mxfp4_cuda_plan picks the shapes from the shapes: one, or up to
 // four tiers split between the experts on the device by their row counts (skewed routing):
 //   tiny:  64 rows x 8 tokens (decode, <= 8 rows; ~75 registers and a small activation stage, so
-//          6 CTAs / 24 warps per SM)
+//          7 CTAs / 28 warps per SM)
 //   small: 64 rows x 32 tokens (decode; bf16 skips the n8 steps past the expert's rows, so 1..8
 //          tokens cost one mma per weight fragment)
 //   wgmma: 2 warpgroups x 64 rows x 64 tokens (experts of a few tens of rows; see WgCfg)
@@ -100,13 +100,20 @@ struct Cfg {
   static_assert(bm * chunks_per_row <= 4 * threads, "at most 4 activation chunks a thread");
 };
 
+// Small decode tile, two rings: as a skewed-routing tier (a few experts of >= 9 rows while most
+// hold fewer: a fraction of a wave of work items, so each CTA's latency decides) 5 stages at 3
+// CTAs an SM; as the base tile (every expert ~4-32 rows: many waves) 3 stages at 5 CTAs. Measured
+// on the H200 (moe_gemm_NOTES.md, session 9): 3 x 5 is +5-9% at 512 / 1024 tokens uniform and
+// -23% at 32 tokens on 6 experts.
 using SmallCfg = Cfg<4, 1, 1, 4, 5, 3>;
+using SmallBaseCfg = Cfg<4, 1, 1, 4, 3, 5>;
 // Tiny decode tile: 4 warps x (16 rows x 8 tokens) = 64 x 8. Same per-warp work as the small tile
 // for <= 8 rows per expert, but a 4x smaller activation stage and a 4-token-step smaller
-// accumulator, so 6 CTAs (<= 80 registers) fit an SM instead of 3: more warps to hide the
-// decode's dependency latency. Five stages; measured on the H200 against 5 CTAs x 6 stages (+3-4%
-// of HBM at 1-32 tokens) and 7 CTAs x 4 stages (slower).
-using TinyCfg = Cfg<4, 1, 1, 1, 5, 6>;
+// accumulator, so 7 CTAs (<= 72 registers) fit an SM instead of 3: more warps to hide the
+// decode's dependency latency. Four stages; measured on the H200 (session 9) against 6 CTAs x 5
+// stages: +1-5% at 8-128 tokens, the same at 1; 8 CTAs x 3 stages: +3-5% at 8-128 tokens but
+// -11% at 1 token (a fraction of a wave, where each warp's chain of stages decides).
+using TinyCfg = Cfg<4, 1, 1, 1, 4, 7>;
 
 
 // The wgmma tiles: kGroups warpgroups x 64 weight rows (warp w of warpgroup cw owns packed strip
@@ -1110,6 +1117,8 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
     q.rows_hi = rows_hi;
     if (q.a_dtype == DType::kFloat8E4M3)  // wgmma at every size (see WgCfg)
       launch_tile<WgFp8SmallCfg, WgFp8WideCfg, WgFp8TinyCfg, WgFp8Cfg>(tile, q, s);
+    else if (tile == 1 && rows_lo == 0)  // the small tile as the base: many waves of items
+      launch<SmallBaseCfg>(q, s);
     else
       launch_tile<SmallCfg, WgBf16WideCfg, TinyCfg, WgBf16Cfg>(tile, q, s);
   };

@@ -143,7 +143,7 @@ struct Mxfp4CudaGemmParams {
   float swiglu_limit = 0.f;
   // 0: the plan from the shapes (mxfp4_cuda_plan); 1: small-M tile (64 weight rows x 32 tokens,
   // decode); 2: wide wgmma tile (128 x 128: large experts); 3: tiny-M tile (64 x 8, decode with
-  // <= 8 rows per expert: 6 CTAs per SM); 4: wgmma tile (128 x 64: experts of a few tens of
+  // <= 8 rows per expert: 7 CTAs per SM); 4: wgmma tile (128 x 64: experts of a few tens of
   // rows). bf16 runs 1 and 3 on mma.sync. Float8 runs on wgmma at every tile (Hopper's
   // float8 mma.sync rounds differently). A tile other than 0 runs every expert. Every tile gives
   // bitwise the same result.
@@ -166,7 +166,7 @@ struct Mxfp4CudaGemmParams {
 // reach it (m rows in all) and the work is large enough to pay for an extra launch, which costs
 // ~2-3 us when it finds nothing to do. Which tile where, measured on the H200
 // (bench/results/h200/moe_gemm_NOTES.md):
-//   tiny (3)   for experts with <= 8 rows: 8-token tiles, 6 CTAs an SM;
+//   tiny (3)   for experts with <= 8 rows: 8-token tiles, 7 CTAs an SM;
 //   small (1)  for 9 .. 32 (bf16) / 31 (float8) rows: 32-token tiles, so an expert of 32 rows
 //              streams its weights once instead of four times through tiny tiles (skewed
 //              decode: 32 tokens on 6 experts 81 -> see the notes);
