@@ -187,8 +187,13 @@ using WgBf16WideCfg = WgCfg<false, 2, 128, 2, 1, 2>;
 // Measured alternatives for the prefill tile (bench/results/h200/moe_gemm_NOTES.md, session 5):
 // two groups in flight at one CTA an SM (222 registers) -20%; one warpgroup x 4 CTAs -7%.
 using WgFp8Cfg = WgCfg<true, 2, 64, 5, 3, 2, true>;
+// The float8 decode tiles' rings as the bf16 ones (SmallCfg, TinyCfg): tiny 4 stages x 7 CTAs
+// everywhere; small 5 x 4 as a skewed tier, 4 x 5 as the base. Measured on the H200 (session 9)
+// against tiny 5 x 6 / small 5 x 4: +2-6% of HBM at 8-1024 tokens uniform, the same at 1 token;
+// the 4 x 5 small ring -2-3% on 32 tokens over 6 experts (hence only as the base).
 using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
-using WgFp8TinyCfg = WgCfg<true, 1, 8, 5, 4, 6>;
+using WgFp8SmallBaseCfg = WgCfg<true, 1, 32, 4, 3, 5>;
+using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 3, 7>;
 // Wide (tile 2, experts of >= 512 rows): 128-token tiles, one CTA an SM (accumulator + partial =
 // 128 registers a thread), each decoded weight feeding twice the tokens: +6-10% over tile 4 with
 // full tiles, -5% with 3/4-full ones (session 6 of moe_gemm_NOTES.md).
@@ -1115,12 +1120,17 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
     Mxfp4CudaGemmParams q = p;
     q.rows_lo = rows_lo;
     q.rows_hi = rows_hi;
-    if (q.a_dtype == DType::kFloat8E4M3)  // wgmma at every size (see WgCfg)
+    const bool fp8 = q.a_dtype == DType::kFloat8E4M3;  // (wgmma at every size, see WgCfg)
+    if (tile == 1 && rows_lo == 0) {  // the small tile as the base: many waves of items
+      if (fp8)
+        launch<WgFp8SmallBaseCfg>(q, s);
+      else
+        launch<SmallBaseCfg>(q, s);
+    } else if (fp8) {
       launch_tile<WgFp8SmallCfg, WgFp8WideCfg, WgFp8TinyCfg, WgFp8Cfg>(tile, q, s);
-    else if (tile == 1 && rows_lo == 0)  // the small tile as the base: many waves of items
-      launch<SmallBaseCfg>(q, s);
-    else
+    } else {
       launch_tile<SmallCfg, WgBf16WideCfg, TinyCfg, WgBf16Cfg>(tile, q, s);
+    }
   };
   for (int i = 0; i < plan.launches; ++i) {
     const int64_t hi = i + 1 < plan.launches ? plan.from_rows[i + 1] : INT32_MAX;
