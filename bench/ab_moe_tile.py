@@ -1,7 +1,8 @@
 """A/B of the MXFP4 grouped GEMM's tile shapes on the H200 at V4-Flash expert shapes: the tiny
 (3), small (1), wgmma (4: 64 tokens) and wide (2: 128 tokens) tiles (bf16 runs tiny and small on
-mma.sync, float8 every tile on wgmma), each forced for every expert, checked against each other (relative error, bitwise equality) and timed (CUDA-graph replay, L2
-flushed), with TFLOP/s and the fraction of the bf16 (or, with `fp8`, the measured fp8) peak.
+mma.sync, float8 every tile on wgmma), each forced for every expert, checked against each other
+(relative error, bitwise equality) and timed (CUDA-graph replay, L2 flushed), with TFLOP/s and
+the fraction of the bf16 (or, with `fp8`, the measured fp8) peak.
 Used for every step in bench/results/h200/moe_gemm_NOTES.md (sessions 4-6).
 
   python3 bench/ab_moe_tile.py [fp8] [tokens ...]   (default bf16, 2048 8192; uniform + skewed)
