@@ -115,10 +115,11 @@ def main() -> None:
             for name, (ours, ours_out, ref, nbytes) in cases.items():
                 t_ours, t_torch = timer(ours), timer(ref)
                 t_graph = time_graph(ours_out) if cuda else None
+                t_kern = bench.time_kernels(ours_out) if cuda else None
                 row = {"op": name, "tokens": T, "routing": "skewed" if skew else "uniform",
                        "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "tile": TILE,
                        **bench.roofline_row(seconds=t_ours, bytes_moved=nbytes, flops=0,
-                                            ceilings=ceilings),
+                                            ceilings=ceilings, kernel_seconds=t_kern),
                        "torch_us": t_torch * 1e6, "speedup_vs_torch": t_torch / t_ours}
                 if t_graph is not None:
                     g = bench.roofline_row(seconds=t_graph, bytes_moved=nbytes, flops=0,
@@ -127,12 +128,18 @@ def main() -> None:
                                graph_fraction=g["fraction_of_floor"])
                 rows.append(row)
     cols = ["op", "tokens", "routing", "bytes", "time_us", "gbps", "fraction_of_floor"]
-    cols += ["graph_us", "graph_gbps", "graph_fraction"] if cuda else []
+    cols += ["graph_us", "graph_gbps", "graph_fraction", "kernel_us",
+             "kernel_fraction_of_floor"] if cuda else []
     cols += ["torch_us", "speedup_vs_torch"]
     bench.print_table(rows, cols)
 
     path = bench.write_results("dispatch_combine", rows, device=dev,
-                               extra={"ceilings": ceilings},
+                               extra={"ceilings": ceilings,
+                                      "timing": "time_us: the op called eagerly, CUDA events, L2 "
+                                      "flushed before each call; graph_us: its CUDA-graph replay; "
+                                      "kernel_us: its own device work (CUPTI kernel durations, "
+                                      "bench.time_kernels), kernel_fraction_of_floor on it"
+                                      if cuda else "median wall time"},
                                out_dir=args.out_dir)
     print(f"wrote {path}")
 

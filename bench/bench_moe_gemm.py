@@ -305,6 +305,7 @@ def cuda_main(args, quick: bool) -> None:
                     # Device time of the launch (CUDA-graph replay: the op is sync-free); the
                     # eager call, Python validation included, is reported apart.
                     t = bench.time_cuda_graph(run, warmup=3, reps=reps)
+                    t_kern = bench.time_kernels(run, reps=reps)
                     t_eager = bench.time_cuda(run, warmup=3, reps=reps)
                     t_torch = bench.time_cuda(run_torch, warmup=1, reps=5 if quick else 10)
                     weight_bytes = active * pw.n_pad * pw.k_pad * 17 // 32
@@ -323,10 +324,13 @@ def cuda_main(args, quick: bool) -> None:
                         "weight_bytes": weight_bytes, "act_bytes": act_bytes,
                         "out_bytes": out_bytes,
                         **bench.roofline_row(seconds=t, bytes_moved=weight_bytes + act_bytes
-                                             + out_bytes, flops=flops, ceilings=ceil),
+                                             + out_bytes, flops=flops, ceilings=ceil,
+                                             kernel_seconds=t_kern),
                         "peak_used": "fp8" if peak is fp8_peak and act == "fp8" else "bf16",
                         "weight_gbps": weight_bytes / t / 1e9,
                         "weight_bw_fraction": weight_bytes / t / ceilings["hbm_bytes_per_s"],
+                        "kernel_weight_bw_fraction":
+                            weight_bytes / t_kern / ceilings["hbm_bytes_per_s"],
                         "rel_err_vs_float32_torch": err,
                         "eager_call_us": t_eager * 1e6,
                         "torch_us": t_torch * 1e6,
@@ -335,13 +339,15 @@ def cuda_main(args, quick: bool) -> None:
                     rows.append(row)
                     print(f"  {tag}: {t * 1e6:.1f} us, weights {row['weight_gbps']:.0f} GB/s "
                           f"({row['weight_bw_fraction']:.0%} of HBM), "
-                          f"{row['tflops']:.1f} TFLOP/s, floor {row['fraction_of_floor']:.0%}, "
+                          f"{row['tflops']:.1f} TFLOP/s, floor {row['fraction_of_floor']:.0%} "
+                          f"(kernels {t_kern * 1e6:.1f} us: {row['kernel_fraction_of_floor']:.0%}), "
                           f"torch {t_torch * 1e6:.0f} us", flush=True)
                     del got, want
             torch.cuda.empty_cache()
     cols = ["gemm", "act", "tokens", "routing", "active", "rows", "tile", "time_us",
             "weight_gbps", "weight_bw_fraction", "gbps", "tflops", "floor_us",
-            "fraction_of_floor", "eager_call_us", "torch_us", "speedup_vs_torch"]
+            "fraction_of_floor", "kernel_us", "kernel_weight_bw_fraction",
+            "kernel_fraction_of_floor", "eager_call_us", "torch_us", "speedup_vs_torch"]
     bench.print_table(rows, cols)
     extra = {
         "ceilings": ceilings,
@@ -357,8 +363,11 @@ def cuda_main(args, quick: bool) -> None:
         "floor": "max(bytes / measured HBM copy rate, flops / measured peak); peak = bf16 matmul "
                  "for W4A16 rows, torch._scaled_mm e4m3 for W4A8 rows (peak_used)",
         "timing": "time_us: CUDA-graph replay of the op with L2 flushed before each call "
-                  "(device time); eager_call_us: the same op called from Python (validation and "
-                  "launch overhead included); torch_us: the torch path called eagerly",
+                  "(events around the replay: graph launch included); kernel_us: the op's own "
+                  "device work (CUPTI kernel durations, bench.time_kernels), with "
+                  "kernel_fraction_of_floor / kernel_weight_bw_fraction on it; eager_call_us: the "
+                  "same op called from Python (validation and launch overhead included); "
+                  "torch_us: the torch path called eagerly",
         "failures": failures,
     }
     path = bench.write_results("moe_gemm", rows, device="cuda", extra=extra,

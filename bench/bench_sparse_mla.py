@@ -145,9 +145,10 @@ def main() -> None:
         reps = 10 if T * H <= 2048 else 3
         kw = dict(reps=reps, warmup=1) if not cuda else {}
         t_ours = timer(lambda: sparse_mla_attention(**a, out=out, lse=lse), **kw)
-        t_eager = None
+        t_eager = t_kern = None
         if cuda:
             t_eager = bench.time_cuda(lambda: sparse_mla_attention(**a, out=out, lse=lse))
+            t_kern = bench.time_kernels(lambda: sparse_mla_attention(**a, out=out, lse=lse))
         t_torch, torch_threads = None, 0
         if T * H * K <= 256 * 64 * 640:  # the torch path gathers [T, K, 512] float32 keys
             ref_out, ref_lse = torch.empty_like(out), torch.empty_like(lse)
@@ -161,7 +162,7 @@ def main() -> None:
                "s_q": s_q, "tokens": T, "heads": H, "keys": K, "cache": fmt, "window": WINDOW,
                "topk": TOPK, "distinct_rows": distinct,
                **bench.roofline_row(seconds=t_ours, bytes_moved=nbytes, flops=flops,
-                                    ceilings=ceilings),
+                                    ceilings=ceilings, kernel_seconds=t_kern),
                "eager_call_us": None if t_eager is None else t_eager * 1e6,
                "torch_us": None if t_torch is None else t_torch * 1e6,
                "speedup_vs_torch": None if t_torch is None else t_torch / t_ours}
@@ -177,8 +178,8 @@ def main() -> None:
         row["gflops"] = row["tflops"] * 1e3
         rows.append(row)
     cols = ["mode", "batch", "s_q", "heads", "cache", "time_us"]
-    cols += ["floor_us", "fraction_of_floor", "bound", "gbps", "tflops"] if cuda else ["gbps",
-                                                                                       "gflops"]
+    cols += (["floor_us", "fraction_of_floor", "kernel_us", "kernel_fraction_of_floor", "bound",
+              "gbps", "tflops"] if cuda else ["gbps", "gflops"])
     cols += (["eager_call_us"] if cuda else []) + ["torch_us", "speedup_vs_torch"]
     cols += [] if cuda else ["torch_threads"]
     bench.print_table(rows, cols)
@@ -191,7 +192,10 @@ def main() -> None:
                                extra={"ceilings": ceilings, "torch_baseline": baseline,
                                       "bytes_counted": bytes_note,
                                       "timing": "time_us: CUDA-graph replay of the op (device "
-                                      "time), L2 flushed before each call; eager_call_us: the "
+                                      "time, events around the replay), L2 flushed before "
+                                      "each call; kernel_us: the op's own device work (CUPTI "
+                                      "kernel durations, bench.time_kernels), "
+                                      "kernel_fraction_of_floor on it; eager_call_us: the "
                                       "same op called from Python (host overhead included); "
                                       "torch_us: the torch path called eagerly" if cuda else
                                       "median wall time",

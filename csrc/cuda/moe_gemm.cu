@@ -588,24 +588,26 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const int a_kt_end = k > a_col ? (k - a_col + kBK - 1) / kBK : 0;
     const int64_t a_row_step = static_cast<int64_t>(kRowStep) * k * kEsize;
 
-    auto load_stage = [&](int slot_idx, int kt) {
-      uint8_t* st = smem + slot_idx * C::stage_bytes;
+    // The copies of one stage into the ring slot at shared address `slot`: the weights from
+    // w_src (this lane's first chunk of the stage), the tokens from a_src (its first row's chunk),
+    // zero-filled past k (a_live false; the rows then read nothing, from a valid address).
+    // The stage loop below only advances these addresses (a constant step a stage), so a stage's
+    // bookkeeping is a few adds.
+    const bool w_last = lane + 64 < kStripChunks;  // the third chunk of the lane (68 chunks)
+    static_assert(kStripChunks > 64 && kStripChunks <= 96, "three chunks a lane a stage");
+    auto load_stage = [&](uint32_t slot, const uint8_t* ws, const uint8_t* as, bool a_live) {
       if (strip_loaded) {
-        const uint32_t dst = smem_u32(st) + w_dst;
-        const uint8_t* src = w_src + static_cast<int64_t>(kt) * kStripStage;
-#pragma unroll
-        for (int u = 0; u < (kStripChunks + 31) / 32; ++u) {
-          if (lane + 32 * u < kStripChunks) cp_async16(dst + 512 * u, src + 512 * u, true);
-        }
+        const uint32_t dst = slot + w_dst;
+        cp_async16(dst, ws, true);
+        cp_async16(dst + 512, ws + 512, true);
+        if (w_last) cp_async16(dst + 1024, ws + 1024, true);
       }
-      const uint32_t dst = smem_u32(st) + a_dst0;
-      const bool valid = kt < a_kt_end;
-      const uint8_t* src0 = a_src + static_cast<int64_t>(kt) * (kBK * kEsize);
+      const uint32_t dst = slot + a_dst0;
 #pragma unroll
       for (int u = 0; u < kAChunks; ++u) {
         if (u < a_rows)
           cp_async16(dst + u * kRowStep * C::a_pitch,
-                     valid ? static_cast<const void*>(src0 + u * a_row_step) : p.a, valid);
+                     a_live ? static_cast<const void*>(as + u * a_row_step) : p.a, a_live);
       }
     };
 
@@ -617,22 +619,33 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
+    const uint32_t ring = smem_u32(smem), ring_end = ring + C::stages * C::stage_bytes;
+    uint32_t wr = ring;  // the slot the next copies fill
 #pragma unroll 1
     for (int s = 0; s < C::stages - 1; ++s) {
-      if (s < kt_total) load_stage(s, s);
+      if (s < kt_total)
+        load_stage(wr, w_src + s * kStripStage, a_src + s * (kBK * kEsize), s < a_kt_end);
       cp_async_commit();
+      wr += C::stage_bytes;
     }
-    int rd_slot = 0, wr_slot = C::stages - 1;  // kt % stages, (kt + stages - 1) % stages
+    // Stage nk = kt + stages - 1 is copied at stage kt, into the slot stage kt - 1 was read from
+    // (every warp is past it: the barrier).
+    const uint8_t* w_next = w_src + (C::stages - 1) * kStripStage;
+    const uint8_t* a_next = a_src + (C::stages - 1) * (kBK * kEsize);
+    const uint8_t* rd = smem;  // the slot of stage kt
 #pragma unroll 1
     for (int kt = 0; kt < kt_total; ++kt) {
       cp_async_wait<C::stages - 2>();
       __syncthreads();
       const int nk = kt + C::stages - 1;
-      if (nk < kt_total) load_stage(wr_slot, nk);
+      if (nk < kt_total) load_stage(wr, w_next, a_next, nk < a_kt_end);
       cp_async_commit();
-      const uint8_t* st = smem + rd_slot * C::stage_bytes;
-      wr_slot = rd_slot;
-      rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
+      w_next += kStripStage;
+      a_next += kBK * kEsize;
+      const uint8_t* st = rd;
+      wr = smem_u32(rd);
+      rd = rd + C::stage_bytes == smem + C::stages * C::stage_bytes ? smem : rd + C::stage_bytes;
+      (void)ring_end;
       if (warp_active) {
         if constexpr (C::wt == 1) {  // tiny decode tile: one live token step
           compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
@@ -789,32 +802,41 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         b_act + (static_cast<int64_t>(tile_row0) + brow) * k * kEsize + bc * 16;
     // Warp w copies its own strip's stage (68 16-byte chunks, lanes + 32 u): addresses are one
     // add per chunk, and a strip past the weights is skipped as a whole.
-    const uint8_t* w_src = wtile + static_cast<int64_t>(sidx) * kb_total * kBlk + lane * 16;
+    // The stage loop copies stages in order, so the sources advance by a constant a stage (a
+    // stage's bookkeeping is a few adds, not 64-bit index arithmetic).
+    const uint8_t* w_next = wtile + static_cast<int64_t>(sidx) * kb_total * kBlk + lane * 16;
     const uint32_t w_dst = static_cast<uint32_t>(C::b_ring + sidx * kStripStage + lane * 16);
+    const bool w_last = lane + 64 < kStripChunks;  // the lane's third chunk (68 chunks)
+    static_assert(kStripChunks > 64 && kStripChunks <= 96, "three chunks a lane a stage");
+    const uint8_t* b_next = b_src0;
+    const bool s_row = C::fp8 && tid < tile_rows;  // float8: this thread copies a token's scale
+    const float* s_next = p.a_scale + (s_row ? static_cast<int64_t>(tile_row0 + tid) * (k / kBK) : 0);
+    int b_rows = 0;  // this thread's B rows in the tile
+#pragma unroll
+    for (int u = 0; u < kBUnits; ++u) b_rows += brow + u * kBRowStep < tile_rows ? 1 : 0;
     auto load_stage = [&](int slot_idx, int kt) {
       if (strip_active) {
-        const uint8_t* src = w_src + static_cast<int64_t>(kt) * kStripStage;
         const uint32_t dst = smem_u32(smem) + w_dst + slot_idx * C::ws_bytes;
-#pragma unroll
-        for (int u = 0; u < (kStripChunks + 31) / 32; ++u) {
-          if (lane + 32 * u < kStripChunks) cp_async16(dst + 512 * u, src + 512 * u, true);
-        }
+        cp_async16(dst, w_next, true);
+        cp_async16(dst + 512, w_next + 512, true);
+        if (w_last) cp_async16(dst + 1024, w_next + 1024, true);
       }
+      w_next += kStripStage;
       uint8_t* ws = smem + C::b_ring + slot_idx * C::ws_bytes;
-      // (k past the end: zero-filled from a valid dummy address, the same for every row.)
-      const bool kvalid = kt * kBK + bc * (16 / kEsize) < k;
+      // (k past the end, bf16 only: zero-filled from a valid dummy address, the same for every
+      // row; float8 has k % 128 == 0.)
+      const bool kvalid = C::fp8 || kt * kBK + bc * (16 / kEsize) < k;
       const uint32_t bdst = smem_u32(smem + slot_idx * C::b_bytes) + b_dst0;
-      const uint8_t* bsrc = kvalid ? b_src0 + kt * C::b_row_bytes : b_act;
+      const uint8_t* bsrc = kvalid ? b_next : b_act;
       const int64_t bstep = kvalid ? b_row_step : 0;
 #pragma unroll
       for (int u = 0; u < kBUnits; ++u) {
-        if (brow + u * kBRowStep < tile_rows)
-          cp_async16(bdst + u * kBRowStep * 128, bsrc + u * bstep, kvalid);
+        if (u < b_rows) cp_async16(bdst + u * kBRowStep * 128, bsrc + u * bstep, kvalid);
       }
+      b_next += C::b_row_bytes;
       if constexpr (C::fp8) {  // k % 128 == 0 for e4m3: every stage is whole
-        if (tid < tile_rows)
-          cp_async4(smem_u32(ws + C::w_bytes + tid * 4),
-                    p.a_scale + static_cast<int64_t>(tile_row0 + tid) * (k / kBK) + kt);
+        if (s_row) cp_async4(smem_u32(ws + C::w_bytes + tid * 4), s_next);
+        ++s_next;
       }
     };
     float acc[C::acc_regs];

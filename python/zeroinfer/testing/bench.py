@@ -109,6 +109,65 @@ def time_cuda_graph(fn: Callable[[], object], **kw) -> float:
     return time_cuda(graph.replay, **kw)
 
 
+def time_kernels(fn: Callable[[], object], *, warmup: int = 3, reps: int = 30,
+                 flush_l2: bool = True) -> float:
+    """Median time in seconds of the device work fn() launches (kernels, memsets, copies), from
+    the CUPTI activity records (torch.profiler), with the L2 flushed before every call like
+    time_cuda; the flush itself is not counted.
+
+    time_cuda_graph's events also hold the graph launch and the event records, ~3-4 us that a
+    decode step, one graph of hundreds of kernels, does not pay per kernel (measured on the H200:
+    a one-element op replays in 4.1 us event to event). For ops of 10-50 us that bounds the
+    fraction of the roofline well below 1 whatever the kernel does, so the benchmarks report
+    both: time_us (events, conservative) and kernel_us (this: what the op occupies the device
+    for; DeepGEMM's bench_kineto measures the same way)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    global _L2_FLUSH
+    if flush_l2 and _L2_FLUSH is None:
+        _L2_FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+
+    def device_records(p) -> list[tuple[str, float, float]]:
+        ev = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in ev]
+
+    flush_names: set[str] = set()
+    if flush_l2:  # what the flush shows up as (a memset or a fill kernel)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _L2_FLUSH.zero_()
+            torch.cuda.synchronize()
+        flush_names = {name for name, _, _ in device_records(prof)}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            if flush_l2:
+                _L2_FLUSH.zero_()
+            fn()
+        torch.cuda.synchronize()
+    records = sorted(device_records(prof), key=lambda r: r[1])
+    return statistics.median(call_durations_us(records, reps, flush_names)) / 1e6
+
+
+def call_durations_us(records: Sequence[tuple[str, float, float]], calls: int,
+                      flush_names: set[str]) -> list[float]:
+    """Per call, the summed duration (us) of its device records (name, start, duration), given in
+    start order: every call launches the same records, so the calls are consecutive chunks of
+    equal length, each opened by the flush when flush_names is not empty (the flush not counted)."""
+    per = len(records) // calls if calls > 0 else 0
+    if per == 0 or per * calls != len(records):
+        raise RuntimeError(f"time_kernels: {len(records)} device records for {calls} calls")
+    skip = 1 if flush_names else 0
+    out = []
+    for i in range(calls):
+        chunk = records[i * per:(i + 1) * per]
+        if flush_names and chunk[0][0] not in flush_names:
+            raise RuntimeError("time_kernels: a call's records do not start with the L2 flush")
+        out.append(sum(dur for _, _, dur in chunk[skip:]))
+    return out
+
+
 def measure_cuda_ceilings() -> dict[str, float]:
     """Measured in this run: device-to-device copy bandwidth (bytes read + written per second)
     and dense bf16 matmul rate on random data, the ceilings the roofline fractions use."""
@@ -125,9 +184,12 @@ def measure_cuda_ceilings() -> dict[str, float]:
 
 
 def roofline_row(*, seconds: float, bytes_moved: float, flops: float,
-                 ceilings: dict[str, float] | None) -> dict[str, float | None]:
+                 ceilings: dict[str, float] | None,
+                 kernel_seconds: float | None = None) -> dict[str, float | None]:
     """Achieved rates and, when ceilings are known, the fraction of the floor
-    max(bytes / bandwidth, flops / peak) that the measured time reaches."""
+    max(bytes / bandwidth, flops / peak) that the measured time reaches; with kernel_seconds
+    (time_kernels) also kernel_us and kernel_fraction_of_floor, the same floor over the time the
+    op's own device work takes."""
     row: dict[str, float | None] = {
         "time_us": seconds * 1e6,
         "bytes": bytes_moved,
@@ -142,6 +204,9 @@ def roofline_row(*, seconds: float, bytes_moved: float, flops: float,
                     flops / ceilings["bf16_flops_per_s"])
         row["floor_us"] = floor * 1e6
         row["fraction_of_floor"] = floor / seconds
+    if kernel_seconds is not None:
+        row["kernel_us"] = kernel_seconds * 1e6
+        row["kernel_fraction_of_floor"] = (floor / kernel_seconds) if ceilings else None
     return row
 
 

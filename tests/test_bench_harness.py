@@ -1,0 +1,65 @@
+"""The benchmark harness's kernel timing (zeroinfer.testing.bench.time_kernels): how CUPTI
+records are cut into calls, on synthetic records, and one real measurement on the GPU."""
+
+import random
+
+import pytest
+import torch
+
+from zeroinfer.testing import bench
+
+
+def _records(calls, kernels, flush="Memset (Device)", seed=0):
+    """(name, start, duration) records of `calls` calls: the flush, then `kernels` kernels."""
+    rng = random.Random(seed)
+    recs, want, t = [], [], 0.0
+    for _ in range(calls):
+        recs.append((flush, t, 50.0))
+        t += 55.0
+        total = 0.0
+        for j in range(kernels):
+            d = rng.uniform(1.0, 30.0)
+            recs.append((f"kernel_{j}", t, d))
+            t += d + rng.uniform(0.5, 3.0)  # launch gaps are not counted
+            total += d
+        want.append(total)
+    return recs, want
+
+
+@pytest.mark.parametrize("kernels", [1, 3])
+def test_call_durations_sum_each_calls_records(kernels):
+    recs, want = _records(calls=7, kernels=kernels, seed=kernels)
+    got = bench.call_durations_us(recs, 7, {"Memset (Device)"})
+    assert got == pytest.approx(want)
+
+
+def test_call_durations_without_flush():
+    recs, want = _records(calls=4, kernels=2, seed=5)
+    recs = [r for r in recs if not r[0].startswith("Memset")]
+    assert bench.call_durations_us(recs, 4, set()) == pytest.approx(want)
+
+
+def test_call_durations_reject_uneven_or_misaligned_records():
+    recs, _ = _records(calls=3, kernels=2)
+    with pytest.raises(RuntimeError, match="device records for 3 calls"):
+        bench.call_durations_us(recs[:-1], 3, {"Memset (Device)"})
+    with pytest.raises(RuntimeError, match="start with the L2 flush"):
+        bench.call_durations_us(recs[1:] + recs[:1], 3, {"Memset (Device)"})
+
+
+@pytest.mark.gpu
+def test_time_kernels_counts_the_ops_kernels_not_the_flush():
+    # Two elementwise kernels over 64 MiB each way: device work of a few tens of us, far below the
+    # 256 MiB flush that precedes every call; and the per-call sum is below the event time.
+    x = torch.randn(16 << 20, device="cuda")
+    y = torch.empty_like(x)
+
+    def fn():
+        torch.mul(x, 2.0, out=y)
+        y.add_(1.0)
+
+    t_kern = bench.time_kernels(fn, reps=10)
+    t_events = bench.time_cuda(fn, reps=10)
+    assert 0 < t_kern <= t_events
+    # At least the bytes at the copy ceiling the device can reach (a loose physical bound).
+    assert t_kern > 4 * x.numel() * 4 / 10e12
