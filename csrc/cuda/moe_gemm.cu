@@ -157,8 +157,7 @@ struct WgCfg {
   static constexpr int s_bytes = fp8 ? bm * 4 : 0;         // the stage's a_scale column
   static constexpr int ws_bytes = w_bytes + s_bytes;       // weights + scales of a stage
   static constexpr int b_ring = stages * b_bytes;
-  // +1024: the dynamic shared window is aligned to 1024 bytes inside the kernel.
-  static constexpr int pipe_bytes = b_ring + stages * ws_bytes + 1024;
+  static constexpr int pipe_bytes = b_ring + stages * ws_bytes;
   static constexpr int acc_regs = bm / 2;                 // 64 x bm fp32 over 128 threads
   static_assert(kBK == 128, "a stage is two packed 64-k blocks");
   static_assert(bm % 8 == 0 && b_bytes % 1024 == 0 && ws_bytes % 16 == 0, "ring alignment");
@@ -174,7 +173,7 @@ struct WgCfg {
                 "shared memory budget (ring + schedule, min_blocks CTAs an SM)");
   static_assert(ahead >= 1 && ahead < stages, "loads ahead within the ring");
   // store_tile_staged's [bm][columns + 16 bytes] float32 output tile reuses the ring.
-  static_assert(bm * (strips * 16 * 4 + 16) <= pipe_bytes - 1024, "output tile fits the ring");
+  static_assert(bm * (strips * 16 * 4 + 16) <= pipe_bytes, "output tile fits the ring");
 };
 // bf16 wgmma (tile 4, experts of 33..64 rows): 64-token tiles, two CTAs an SM, 3 stages ahead;
 // wide (tile 2, from 65 rows): 128-token tiles, two CTAs an SM (<= 128 registers) each covering
@@ -742,15 +741,17 @@ __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, 
 template <class C, bool kWide>
 __global__ void __launch_bounds__(C::threads, C::min_blocks)
     mxfp4_moe_wgmma_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
-  // (128-byte declared alignment like the other kernels of this file, which share the extern
-  // array's alignment; the 128-byte swizzle needs 1024, so the window is aligned by hand.)
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  // The 128-byte swizzle needs the ring 1024-byte aligned: declared, so that no stage loop
+  // carries the padding arithmetic (checked once, below).
+  // (Its own name: the kernels' extern arrays are one symbol per name, alignment included.)
+  extern __shared__ __align__(1024) uint8_t wg_smem[];
+  uint8_t* smem = wg_smem;
   // float8: the e4m3 byte tables (their barrier is the schedule's).
   __shared__ uint2 luts[C::fp8 ? kE4m3Luts : 1];
   if constexpr (C::fp8) e4m3_lut_init(reinterpret_cast<uint8_t*>(luts));
-  // The schedule arrays sit after the (aligned) pipeline: pipe_bytes includes the 1024 slack.
-  const Schedule<C> sch(p, smem_raw + C::pipe_bytes);
+  if (threadIdx.x == 0 && (smem_u32(smem) & 1023u) != 0) __trap();
+  // The schedule arrays sit after the pipeline.
+  const Schedule<C> sch(p, smem + C::pipe_bytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sidx = warp;  // warpgroup cw = warp / 4 owns strips 4 cw .. 4 cw + 3
