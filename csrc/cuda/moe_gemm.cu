@@ -618,8 +618,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-    const uint32_t ring = smem_u32(smem), ring_end = ring + C::stages * C::stage_bytes;
-    uint32_t wr = ring;  // the slot the next copies fill
+    uint32_t wr = smem_u32(smem);  // the slot the next copies fill
 #pragma unroll 1
     for (int s = 0; s < C::stages - 1; ++s) {
       if (s < kt_total)
@@ -644,7 +643,6 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       const uint8_t* st = rd;
       wr = smem_u32(rd);
       rd = rd + C::stage_bytes == smem + C::stages * C::stage_bytes ? smem : rd + C::stage_bytes;
-      (void)ring_end;
       if (warp_active) {
         if constexpr (C::wt == 1) {  // tiny decode tile: one live token step
           compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
