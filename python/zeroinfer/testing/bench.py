@@ -74,21 +74,31 @@ def time_cpu(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10) -> fl
 _L2_FLUSH: torch.Tensor | None = None
 
 
+def _l2_flush_buffer() -> torch.Tensor:
+    """The 256 MiB buffer (well over the H200's 60 MB L2) whose memset flushes the L2."""
+    global _L2_FLUSH
+    if _L2_FLUSH is None:
+        _L2_FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    return _L2_FLUSH
+
+
+def _warm_up(fn: Callable[[], object], calls: int) -> None:
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+
+
 def time_cuda(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
               flush_l2: bool = True) -> float:
     """Median time in seconds of fn() on the current CUDA stream, by CUDA events, with the L2
     flushed (a 256 MiB memset, well over the H200's 60 MB L2) before every timed call."""
-    global _L2_FLUSH
-    if flush_l2 and _L2_FLUSH is None:
-        _L2_FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    flush = _l2_flush_buffer() if flush_l2 else None
+    _warm_up(fn, warmup)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
-        if flush_l2:
-            _L2_FLUSH.zero_()
+        if flush is not None:
+            flush.zero_()
         s.record()
         fn()
         e.record()
@@ -123,27 +133,23 @@ def time_kernels(fn: Callable[[], object], *, warmup: int = 3, reps: int = 30,
     for; DeepGEMM's bench_kineto measures the same way)."""
     from torch.profiler import ProfilerActivity, profile
 
-    global _L2_FLUSH
-    if flush_l2 and _L2_FLUSH is None:
-        _L2_FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    flush = _l2_flush_buffer() if flush_l2 else None
+    _warm_up(fn, warmup)
 
     def device_records(p) -> list[tuple[str, float, float]]:
         ev = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         return [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in ev]
 
     flush_names: set[str] = set()
-    if flush_l2:  # what the flush shows up as (a memset or a fill kernel)
+    if flush is not None:  # what the flush shows up as (a memset or a fill kernel)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _L2_FLUSH.zero_()
+            flush.zero_()
             torch.cuda.synchronize()
         flush_names = {name for name, _, _ in device_records(prof)}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            if flush_l2:
-                _L2_FLUSH.zero_()
+            if flush is not None:
+                flush.zero_()
             fn()
         torch.cuda.synchronize()
     records = sorted(device_records(prof), key=lambda r: r[1])
