@@ -809,7 +809,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     static_assert(kStripChunks > 64 && kStripChunks <= 96, "three chunks a lane a stage");
     const uint8_t* b_next = b_src0;
     const bool s_row = C::fp8 && tid < tile_rows;  // float8: this thread copies a token's scale
-    const float* s_next = p.a_scale + (s_row ? static_cast<int64_t>(tile_row0 + tid) * (k / kBK) : 0);
+    const float* s_next =
+        p.a_scale + (s_row ? static_cast<int64_t>(tile_row0 + tid) * (k / kBK) : 0);
     int b_rows = 0;  // this thread's B rows in the tile
 #pragma unroll
     for (int u = 0; u < kBUnits; ++u) b_rows += brow + u * kBRowStep < tile_rows ? 1 : 0;
