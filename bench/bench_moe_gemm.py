@@ -340,7 +340,8 @@ def cuda_main(args, quick: bool) -> None:
                     print(f"  {tag}: {t * 1e6:.1f} us, weights {row['weight_gbps']:.0f} GB/s "
                           f"({row['weight_bw_fraction']:.0%} of HBM), "
                           f"{row['tflops']:.1f} TFLOP/s, floor {row['fraction_of_floor']:.0%} "
-                          f"(kernels {t_kern * 1e6:.1f} us: {row['kernel_fraction_of_floor']:.0%}), "
+                          f"(kernels {t_kern * 1e6:.1f} us: "
+                          f"{row['kernel_fraction_of_floor']:.0%}), "
                           f"torch {t_torch * 1e6:.0f} us", flush=True)
                     del got, want
             torch.cuda.empty_cache()
