@@ -111,8 +111,7 @@ def time_cuda_graph(fn: Callable[[], object], **kw) -> float:
     launch sequence without Python's per-call overhead (which, for calls of tens of µs, would
     otherwise show up as idle time between the events). fn must be graph-capturable (no host
     sync) and write into preallocated outputs."""
-    fn()  # warm-up outside the capture (one-time allocations, kernel attribute set-up)
-    torch.cuda.synchronize()
+    _warm_up(fn, 1)  # outside the capture (one-time allocations, kernel attribute set-up)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
