@@ -599,14 +599,16 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         const uint32_t dst = slot + w_dst;
         cp_async16(dst, ws, true);
         cp_async16(dst + 512, ws + 512, true);
-        if (w_last) cp_async16(dst + 1024, ws + 1024, true);
+        cp_async16_if(dst + 1024, ws + 1024, w_last);
       }
+      // (Rows past the tile are zero-filled rather than skipped: no branch; their token columns
+      // are never stored.)
       const uint32_t dst = slot + a_dst0;
 #pragma unroll
       for (int u = 0; u < kAChunks; ++u) {
-        if (u < a_rows)
-          cp_async16(dst + u * kRowStep * C::a_pitch,
-                     a_live ? static_cast<const void*>(as + u * a_row_step) : p.a, a_live);
+        const bool live = a_live && u < a_rows;
+        cp_async16(dst + u * kRowStep * C::a_pitch,
+                   live ? static_cast<const void*>(as + u * a_row_step) : p.a, live);
       }
     };
 
@@ -618,46 +620,58 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-    uint32_t wr = smem_u32(smem);  // the slot the next copies fill
+    const uint32_t ring = smem_u32(smem);
 #pragma unroll 1
     for (int s = 0; s < C::stages - 1; ++s) {
       if (s < kt_total)
-        load_stage(wr, w_src + s * kStripStage, a_src + s * (kBK * kEsize), s < a_kt_end);
+        load_stage(ring + s * C::stage_bytes, w_src + s * kStripStage, a_src + s * (kBK * kEsize),
+                   s < a_kt_end);
       cp_async_commit();
-      wr += C::stage_bytes;
     }
-    // Stage nk = kt + stages - 1 is copied at stage kt, into the slot stage kt - 1 was read from
-    // (every warp is past it: the barrier).
+    // Stage kt is read from slot kt % stages; stage nk = kt + stages - 1 is copied at stage kt
+    // into slot (kt - 1) % stages, the one stage kt - 1 was read from (every warp is past it: the
+    // barrier). The tiny tile's loop runs `stages` stages an iteration, so its slot addresses are
+    // the ring's plus constants and the sources advance once an iteration (SASS a stage 207 ->
+    // ~190); the small tile's stage is 4-16x longer, and unrolled it would be ~15 K instructions.
+    constexpr int kU = C::wt == 1 ? C::stages : 1;  // stages an iteration
     const uint8_t* w_next = w_src + (C::stages - 1) * kStripStage;
     const uint8_t* a_next = a_src + (C::stages - 1) * (kBK * kEsize);
-    const uint8_t* rd = smem;  // the slot of stage kt
+    int slot0 = 0;  // the slot of the iteration's first stage (always 0 when kU == stages)
 #pragma unroll 1
-    for (int kt = 0; kt < kt_total; ++kt) {
-      cp_async_wait<C::stages - 2>();
-      __syncthreads();
-      const int nk = kt + C::stages - 1;
-      if (nk < kt_total) load_stage(wr, w_next, a_next, nk < a_kt_end);
-      cp_async_commit();
-      w_next += kStripStage;
-      a_next += kBK * kEsize;
-      const uint8_t* st = rd;
-      wr = smem_u32(rd);
-      rd = rd + C::stage_bytes == smem + C::stages * C::stage_bytes ? smem : rd + C::stage_bytes;
-      if (warp_active) {
-        if constexpr (C::wt == 1) {  // tiny decode tile: one live token step
-          compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
-        } else {  // small decode tile: one variant per live token-step count
-          static_assert(C::wt == 4, "the mma.sync tiles are 8 or 32 tokens wide");
-          if (nj == 1)
+    for (int kt0 = 0; kt0 < kt_total; kt0 += kU) {
+#pragma unroll
+      for (int r = 0; r < kU; ++r) {
+        const int kt = kt0 + r;
+        if (kt >= kt_total) break;
+        const int rs = kU == C::stages ? r : slot0;
+        const int ws = rs == 0 ? C::stages - 1 : rs - 1;
+        cp_async_wait<C::stages - 2>();
+        __syncthreads();
+        const int nk = kt + C::stages - 1;
+        if (nk < kt_total)
+          load_stage(ring + ws * C::stage_bytes, w_next + r * kStripStage,
+                     a_next + r * (kBK * kEsize), nk < a_kt_end);
+        cp_async_commit();
+        const uint8_t* st = smem + rs * C::stage_bytes;
+        if (warp_active) {
+          if constexpr (C::wt == 1) {  // tiny decode tile: one live token step
             compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
-          else if (nj == 2)
-            compute_stage<C, kWide, 2>(st, lane, warp_n, warp_m, nj, acc);
-          else if (nj == 3)
-            compute_stage<C, kWide, 3>(st, lane, warp_n, warp_m, nj, acc);
-          else
-            compute_stage<C, kWide, 4>(st, lane, warp_n, warp_m, nj, acc);
+          } else {  // small decode tile: one variant per live token-step count
+            static_assert(C::wt == 4, "the mma.sync tiles are 8 or 32 tokens wide");
+            if (nj == 1)
+              compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
+            else if (nj == 2)
+              compute_stage<C, kWide, 2>(st, lane, warp_n, warp_m, nj, acc);
+            else if (nj == 3)
+              compute_stage<C, kWide, 3>(st, lane, warp_n, warp_m, nj, acc);
+            else
+              compute_stage<C, kWide, 4>(st, lane, warp_n, warp_m, nj, acc);
+          }
         }
       }
+      w_next += kU * kStripStage;
+      a_next += kU * (kBK * kEsize);
+      if constexpr (kU != C::stages) slot0 = slot0 == C::stages - 1 ? 0 : slot0 + 1;
     }
     cp_async_wait<0>();
     __syncthreads();  // the next item's prologue overwrites every stage
@@ -877,7 +891,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         cp_async_commit();
         const uint8_t* ws = smem + C::b_ring + rd_slot * C::ws_bytes;  // weights, a_scale
         const uint8_t* wst = ws + sidx * kStripStage;
-        const uint32_t b_base = smem_u32(smem + rd_slot * C::b_bytes);
+        const uint64_t b_desc = wgmma::desc_sw128(smem_u32(smem + rd_slot * C::b_bytes), 16, 1024);
         wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
         rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
 
@@ -900,8 +914,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           uint32_t(&f)[4] = a[step & 1];
           decode_bf16_scaled<kWide>(word_of(wq[kb], 2 * s2), word_of(wq[kb], 2 * s2 + 1), h,
                                     m1[kb], m2[kb], s2, f);
-          uint64_t desc[1] = {
-              wgmma::desc_sw128(b_base + (step >> 2) * (C::bm * 128) + (step & 3) * 32, 16, 1024)};
+          // (The stage's descriptor plus the step's byte offset >> 4 in the address field.)
+          uint64_t desc[1] = {b_desc + (((step >> 2) * (C::bm * 128) + (step & 3) * 32) >> 4)};
           wgmma::fence_operands(f);
           wgmma::fence_operands(desc);
           wgmma::fence();
@@ -972,11 +986,12 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           }
           // (No zeroing: the chain's first wgmma, accumulate = false, ignores the registers.)
           float part[C::acc_regs];
-          const uint32_t b_base = smem_u32(smem + rd_slot * C::b_bytes);
+          // The k32 groups' descriptors: the stage's plus q * 32 bytes in the address field (>> 4).
+          const uint64_t desc0 = wgmma::desc_sw128(smem_u32(smem + rd_slot * C::b_bytes), 16, 1024);
           wgmma::fence();
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            uint64_t desc[1] = {wgmma::desc_sw128(b_base + q * 32, 16, 1024)};
+            uint64_t desc[1] = {desc0 + 2 * q};
             wgmma::fence_operands(desc);
             wgmma::wgmma_e4m3_rs<C::bm>(part, f[q], desc[0], q > 0);
           }

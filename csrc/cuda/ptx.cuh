@@ -17,6 +17,17 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
                : "memory");
 }
 
+// cp_async16 issued only when `issue` (a predicated instruction, no branch around it: the
+// stage loops copy a lane's last chunk or a live row this way).
+__device__ __forceinline__ void cp_async16_if(uint32_t dst, const void* src, bool issue,
+                                              bool valid = true) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+      " @p cp.async.cg.shared.global [%0], [%1], 16, %3;\n}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<int>(issue)), "r"(valid ? 16 : 0)
+      : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
