@@ -346,37 +346,55 @@ __device__ __forceinline__ void bf16_multipliers(uint32_t sc, uint32_t (&m1)[4],
 }
 
 // ---- one pipeline stage of one warp ------------------------------------------------------------
+// A warp's byte offsets into a ring slot, fixed for the kernel (worked out once: the stage loop
+// then addresses shared memory as the slot plus these plus immediates).
+struct StageOffsets {
+  uint32_t w;   // its strip's packed words: warp_n * wn strips in, lane * 16
+  uint32_t sc;  // the strip's scale bytes of rows g, g + 8: + 512 + g * 4
+  uint32_t a;   // token row warp_m * wt * 8 + g of the activations, column 4 t (bf16)
+  template <class C>
+  __device__ static StageOffsets of(int lane, int warp_n, int warp_m) {
+    const int g = lane >> 2, t = lane & 3;
+    const uint32_t strip = static_cast<uint32_t>(warp_n * C::wn * kStripStage);
+    StageOffsets o{strip + lane * 16, strip + 512 + g * 4,
+                   static_cast<uint32_t>(C::w_bytes + (warp_m * C::wt * 8 + g) * C::a_pitch +
+                                         8 * t)};
+    // Opaque to the compiler, so it keeps them in registers instead of re-deriving them from the
+    // thread index every stage (~7 instructions a stage in the tiny tile otherwise).
+    asm volatile("" : "+r"(o.w), "+r"(o.sc), "+r"(o.a));
+    return o;
+  }
+};
+
 // acc[i][j]: strip i (16 weight rows) x token step j (8 tokens), C-fragment order
 // (c0: row g, token 2t; c1: row g, token 2t+1; c2: row g+8, token 2t; c3: row g+8, token 2t+1).
 // kNJ > 0: exactly kNJ token steps are live (compile time); kNJ == 0: `nj` of them (run time).
 template <class C, bool kWide, int kNJ>
-__device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st, int lane, int warp_n,
-                                              int warp_m, int nj_dyn,
+__device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st,
+                                              const StageOffsets& o, int nj_dyn,
                                               float (&acc)[C::wn][C::wt][4]) {
   const int nj = kNJ > 0 ? kNJ : nj_dyn;
-  const int g = lane >> 2, t = lane & 3;
-  const uint8_t* wst = st + warp_n * C::wn * kStripStage;
-  const uint8_t* ast = st + C::w_bytes + (warp_m * C::wt * 8 + g) * C::a_pitch;
 #pragma unroll
   for (int kb = 0; kb < 2; ++kb) {
     uint4 wq[C::wn];
     uint32_t m1[C::wn][4], m2[C::wn][4];
 #pragma unroll
     for (int i = 0; i < C::wn; ++i) {
-      const uint8_t* blk = wst + i * kStripStage + kb * kBlk;
-      wq[i] = *reinterpret_cast<const uint4*>(blk + lane * 16);
-      bf16_multipliers<kWide>(*reinterpret_cast<const uint32_t*>(blk + 512 + g * 4), m1[i], m2[i]);
+      const uint8_t* blk = st + i * kStripStage + kb * kBlk;
+      wq[i] = *reinterpret_cast<const uint4*>(blk + o.w);
+      bf16_multipliers<kWide>(*reinterpret_cast<const uint32_t*>(blk + o.sc), m1[i], m2[i]);
     }
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int koff = (kb * 64 + 32 * s + 16 * h + 4 * t) * 2;
+        const int koff = (kb * 64 + 32 * s + 16 * h) * 2;
         uint32_t b[C::wt][2];
 #pragma unroll
         for (int j = 0; j < C::wt; ++j) {
           if (j < nj) {
-            const uint2 v = *reinterpret_cast<const uint2*>(ast + j * 8 * C::a_pitch + koff);
+            const uint2 v =
+                *reinterpret_cast<const uint2*>(st + o.a + j * 8 * C::a_pitch + koff);
             b[j][0] = v.x;
             b[j][1] = v.y;
           }
@@ -565,10 +583,12 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         static_cast<const uint8_t*>(p.a) + static_cast<int64_t>(tile_row0) * k * kEsize;
 
     // Warp w copies its own strip's stage, chunks lane + 32 u of the strip's contiguous
-    // kStripStage bytes, so a chunk's addresses are one add from the stage's; a strip past the
-    // weight rows is skipped as a whole.
-    const bool strip_loaded = warp < strips_valid;
-    const uint8_t* w_src = wtile + static_cast<int64_t>(warp) * kb_total * kBlk + lane * 16;
+    // kStripStage bytes, so a chunk's addresses are one add from the stage's. A warp whose strip
+    // is past the weight rows (an edge tile) copies strip 0 again into its own slot, unread: no
+    // branch in the stage loop.
+    const uint8_t* w_src = wtile +
+                           static_cast<int64_t>(warp < strips_valid ? warp : 0) * kb_total * kBlk +
+                           lane * 16;
     const uint32_t w_dst = static_cast<uint32_t>(warp * kStripStage + lane * 16);
 
     // Activation chunks: thread tid copies 16-byte chunk a_cc of rows a_r0 + u * kRowStep; the
@@ -581,7 +601,10 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const uint32_t a_dst0 = static_cast<uint32_t>(C::w_bytes + a_r0 * C::a_pitch + a_cc * 16);
     // Per item: the thread's first source chunk, how many of its rows the tile holds, and the
     // stages whose k block still covers its column (later ones zero-fill: k % kBK != 0).
-    const uint8_t* a_src = atile + a_off0;
+    const StageOffsets so = StageOffsets::of<C>(lane, warp_n, warp_m);
+    // (A thread whose first row is past the tile names row 0's chunk instead, zero-filled: a
+    // valid address, a_rows = 0.)
+    const uint8_t* a_src = atile + (tile_rows > a_r0 ? a_off0 : a_cc * 16);
     const int a_rows = tile_rows > a_r0 ? (tile_rows - a_r0 + kRowStep - 1) / kRowStep : 0;
     const int a_col = a_cc * (16 / kEsize);
     const int a_kt_end = k > a_col ? (k - a_col + kBK - 1) / kBK : 0;
@@ -595,20 +618,19 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const bool w_last = lane + 64 < kStripChunks;  // the third chunk of the lane (68 chunks)
     static_assert(kStripChunks > 64 && kStripChunks <= 96, "three chunks a lane a stage");
     auto load_stage = [&](uint32_t slot, const uint8_t* ws, const uint8_t* as, bool a_live) {
-      if (strip_loaded) {
-        const uint32_t dst = slot + w_dst;
-        cp_async16(dst, ws, true);
-        cp_async16(dst + 512, ws + 512, true);
-        cp_async16_if(dst + 1024, ws + 1024, w_last);
-      }
+      const uint32_t wd = slot + w_dst;
+      cp_async16(wd, ws, true);
+      cp_async16(wd + 512, ws + 512, true);
+      cp_async16_if(wd + 1024, ws + 1024, w_last);
       // (Rows past the tile are zero-filled rather than skipped: no branch; their token columns
-      // are never stored.)
-      const uint32_t dst = slot + a_dst0;
+      // are never stored. A zero-fill still names a valid address: a row past the tile names
+      // row 0's chunk, a stage past k the tile's first byte.)
+      const uint32_t ad = slot + a_dst0;
 #pragma unroll
       for (int u = 0; u < kAChunks; ++u) {
         const bool live = a_live && u < a_rows;
-        cp_async16(dst + u * kRowStep * C::a_pitch,
-                   live ? static_cast<const void*>(as + u * a_row_step) : p.a, live);
+        const uint8_t* src = a_live ? as + (u < a_rows ? u * a_row_step : 0) : atile;
+        cp_async16(ad + u * kRowStep * C::a_pitch, src, live);
       }
     };
 
@@ -637,41 +659,59 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const uint8_t* w_next = w_src + (C::stages - 1) * kStripStage;
     const uint8_t* a_next = a_src + (C::stages - 1) * (kBK * kEsize);
     int slot0 = 0;  // the slot of the iteration's first stage (always 0 when kU == stages)
-#pragma unroll 1
-    for (int kt0 = 0; kt0 < kt_total; kt0 += kU) {
-#pragma unroll
-      for (int r = 0; r < kU; ++r) {
-        const int kt = kt0 + r;
-        if (kt >= kt_total) break;
-        const int rs = kU == C::stages ? r : slot0;
-        const int ws = rs == 0 ? C::stages - 1 : rs - 1;
-        cp_async_wait<C::stages - 2>();
-        __syncthreads();
-        const int nk = kt + C::stages - 1;
-        if (nk < kt_total)
-          load_stage(ring + ws * C::stage_bytes, w_next + r * kStripStage,
-                     a_next + r * (kBK * kEsize), nk < a_kt_end);
-        cp_async_commit();
-        const uint8_t* st = smem + rs * C::stage_bytes;
-        if (warp_active) {
-          if constexpr (C::wt == 1) {  // tiny decode tile: one live token step
-            compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
-          } else {  // small decode tile: one variant per live token-step count
-            static_assert(C::wt == 4, "the mma.sync tiles are 8 or 32 tokens wide");
-            if (nj == 1)
-              compute_stage<C, kWide, 1>(st, lane, warp_n, warp_m, nj, acc);
-            else if (nj == 2)
-              compute_stage<C, kWide, 2>(st, lane, warp_n, warp_m, nj, acc);
-            else if (nj == 3)
-              compute_stage<C, kWide, 3>(st, lane, warp_n, warp_m, nj, acc);
-            else
-              compute_stage<C, kWide, 4>(st, lane, warp_n, warp_m, nj, acc);
-          }
+    // One stage: r its place in the iteration. kChecked: the copy it issues (stage kt + stages
+    // - 1) may be past the end or hold the partial last k block; the main loop's stages copy
+    // whole in-range blocks only, so they carry neither test.
+    auto stage = [&](auto checked, int r, int kt) {
+      constexpr bool kChecked = decltype(checked)::value;
+      const int rs = kU == C::stages ? r : slot0;
+      const int ws = rs == 0 ? C::stages - 1 : rs - 1;
+      cp_async_wait<C::stages - 2>();
+      __syncthreads();
+      const int nk = kt + C::stages - 1;
+      if (!kChecked || nk < kt_total)
+        load_stage(ring + ws * C::stage_bytes, w_next + r * kStripStage,
+                   a_next + r * (kBK * kEsize), !kChecked || nk < a_kt_end);
+      cp_async_commit();
+      const uint8_t* st = smem + rs * C::stage_bytes;
+      if (warp_active) {
+        if constexpr (C::wt == 1) {  // tiny decode tile: one live token step
+          compute_stage<C, kWide, 1>(st, so, nj, acc);
+        } else {  // small decode tile: one variant per live token-step count
+          static_assert(C::wt == 4, "the mma.sync tiles are 8 or 32 tokens wide");
+          if (nj == 1)
+            compute_stage<C, kWide, 1>(st, so, nj, acc);
+          else if (nj == 2)
+            compute_stage<C, kWide, 2>(st, so, nj, acc);
+          else if (nj == 3)
+            compute_stage<C, kWide, 3>(st, so, nj, acc);
+          else
+            compute_stage<C, kWide, 4>(st, so, nj, acc);
         }
       }
+    };
+    auto next_iteration = [&] {
       w_next += kU * kStripStage;
       a_next += kU * (kBK * kEsize);
       if constexpr (kU != C::stages) slot0 = slot0 == C::stages - 1 ? 0 : slot0 + 1;
+    };
+    // Main loop: every stage it copies (up to kt0 + kU - 1 + stages - 1) is a whole k block.
+    const int kt_main = min(kt_total, k / kBK) - (C::stages - 1);
+    int kt0 = 0;
+#pragma unroll 1
+    for (; kt0 + kU <= kt_main; kt0 += kU) {
+#pragma unroll
+      for (int r = 0; r < kU; ++r) stage(std::false_type{}, r, kt0 + r);
+      next_iteration();
+    }
+#pragma unroll 1
+    for (; kt0 < kt_total; kt0 += kU) {
+#pragma unroll
+      for (int r = 0; r < kU; ++r) {
+        if (kt0 + r >= kt_total) break;
+        stage(std::true_type{}, r, kt0 + r);
+      }
+      next_iteration();
     }
     cp_async_wait<0>();
     __syncthreads();  // the next item's prologue overwrites every stage
