@@ -199,8 +199,15 @@ using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 3, 7>;
 using WgFp8WideCfg = WgCfg<true, 2, 128, 6, 4, 1, true>;
 
 // ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+// 4 bytes global -> shared when `issue` (predicated, no branch), zero-filled when !valid (src
+// must still be a valid address).
+__device__ __forceinline__ void cp_async4_if(uint32_t dst, const void* src, bool issue,
+                                             bool valid) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+      " @p cp.async.ca.shared.global [%0], [%1], 4, %3;\n}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<int>(issue)), "r"(valid ? 4 : 0)
+      : "memory");
 }
 
 // D = A * B + D; A 16x16 bf16 (row), B 16x8 bf16 (col), float32 accumulators.
@@ -851,30 +858,35 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // Stage kt of the ring slot: the weights of this tile's strips, the B tile (rows past the
     // tile are not copied: they only feed output columns that are discarded; k past the end is
     // zero-filled, since it would feed every column) and, for e4m3, the tokens' a_scale column.
+    // (A thread whose B rows are all past the tile names the tile's first row instead: its
+    // copies are zero-fills, from a valid address.)
+    int b_rows = 0;  // this thread's B rows in the tile
+#pragma unroll
+    for (int u = 0; u < kBUnits; ++u) b_rows += brow + u * kBRowStep < tile_rows ? 1 : 0;
     const uint8_t* b_src0 =
-        b_act + (static_cast<int64_t>(tile_row0) + brow) * k * kEsize + bc * 16;
+        b_act + (static_cast<int64_t>(tile_row0) + (b_rows > 0 ? brow : 0)) * k * kEsize +
+        bc * 16;
     // Warp w copies its own strip's stage (68 16-byte chunks, lanes + 32 u): addresses are one
-    // add per chunk, and a strip past the weights is skipped as a whole.
+    // add per chunk. A warp whose strip is past the weights (the second warpgroup of an edge
+    // tile) copies strip 0 again into its own slot, unread: no branch around the copies.
     // The stage loop copies stages in order, so the sources advance by a constant a stage (a
     // stage's bookkeeping is a few adds, not 64-bit index arithmetic).
-    const uint8_t* w_next = wtile + static_cast<int64_t>(sidx) * kb_total * kBlk + lane * 16;
+    const uint8_t* w_next =
+        wtile + static_cast<int64_t>(strip_active ? sidx : 0) * kb_total * kBlk + lane * 16;
     const uint32_t w_dst = static_cast<uint32_t>(C::b_ring + sidx * kStripStage + lane * 16);
     const bool w_last = lane + 64 < kStripChunks;  // the lane's third chunk (68 chunks)
     static_assert(kStripChunks > 64 && kStripChunks <= 96, "three chunks a lane a stage");
     const uint8_t* b_next = b_src0;
-    const bool s_row = C::fp8 && tid < tile_rows;  // float8: this thread copies a token's scale
+    // float8: thread tid < bm copies token tid's scale (zero-filled past the tile, from the
+    // first scale: a valid address).
+    const bool s_row = C::fp8 && tid < tile_rows;
     const float* s_next =
         p.a_scale + (s_row ? static_cast<int64_t>(tile_row0 + tid) * (k / kBK) : 0);
-    int b_rows = 0;  // this thread's B rows in the tile
-#pragma unroll
-    for (int u = 0; u < kBUnits; ++u) b_rows += brow + u * kBRowStep < tile_rows ? 1 : 0;
     auto load_stage = [&](int slot_idx, int kt) {
-      if (strip_active) {
-        const uint32_t dst = smem_u32(smem) + w_dst + slot_idx * C::ws_bytes;
-        cp_async16(dst, w_next, true);
-        cp_async16(dst + 512, w_next + 512, true);
-        if (w_last) cp_async16(dst + 1024, w_next + 1024, true);
-      }
+      const uint32_t dst = smem_u32(smem) + w_dst + slot_idx * C::ws_bytes;
+      cp_async16(dst, w_next, true);
+      cp_async16(dst + 512, w_next + 512, true);
+      cp_async16_if(dst + 1024, w_next + 1024, w_last);
       w_next += kStripStage;
       uint8_t* ws = smem + C::b_ring + slot_idx * C::ws_bytes;
       // (k past the end, bf16 only: zero-filled from a valid dummy address, the same for every
@@ -884,12 +896,17 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       const uint8_t* bsrc = kvalid ? b_next : b_act;
       const int64_t bstep = kvalid ? b_row_step : 0;
 #pragma unroll
-      for (int u = 0; u < kBUnits; ++u) {
-        if (u < b_rows) cp_async16(bdst + u * kBRowStep * 128, bsrc + u * bstep, kvalid);
+      for (int u = 0; u < kBUnits; ++u) {  // rows past bm: not issued; past the tile: zeros
+        const bool live = kvalid && u < b_rows;
+        const void* src = bsrc + (u < b_rows ? u * bstep : 0);
+        if constexpr (C::bm % kBRowStep == 0)
+          cp_async16(bdst + u * kBRowStep * 128, src, live);
+        else
+          cp_async16_if(bdst + u * kBRowStep * 128, src, brow + u * kBRowStep < C::bm, live);
       }
       b_next += C::b_row_bytes;
       if constexpr (C::fp8) {  // k % 128 == 0 for e4m3: every stage is whole
-        if (s_row) cp_async4(smem_u32(ws + C::w_bytes + tid * 4), s_next);
+        cp_async4_if(smem_u32(ws + C::w_bytes + tid * 4), s_next, tid < C::bm, s_row);
         ++s_next;
       }
     };
@@ -981,71 +998,114 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
                     "float8: the stages live at a refill stay out of its slot");
       // (The token scales are re-read from shared memory rather than held: at 64 tokens 16 more
       // registers would not fit two CTAs an SM.)
-      int rd_slot = 0, wr_slot = C::ahead;
       uint4 wq[2];
       uint32_t sc[2];
+      // The warp's offsets into a ring slot (its strip's words, rows g / g + 8's scale bytes),
+      // opaque to the compiler so that it holds them instead of re-deriving them from the thread
+      // index every stage.
+      uint32_t w_off = static_cast<uint32_t>(C::b_ring + sidx * kStripStage + lane * 16);
+      uint32_t sc_off = static_cast<uint32_t>(C::b_ring + sidx * kStripStage + 512 + g * 4);
+      asm volatile("" : "+r"(w_off), "+r"(sc_off));
       // Stage st (in slot st_slot) in: wait for it (the barrier also retires the promotion of
-      // stage st-2's reads of its token scales, whose slot is refilled next), refill the ring with
-      // stage st + ahead, read st's weight words and scale bytes into registers.
-      auto next_stage = [&](int st, int st_slot) {
+      // stage st-2's reads of its token scales, whose slot is refilled next), refill slot wr
+      // with stage st + ahead (kChecked: if there is one), read st's weight words and scale
+      // bytes into registers.
+      auto next_stage = [&](auto checked, int st, int st_slot, int wr) {
         stage_landed();
-        if (st + C::ahead < kt_total) load_stage(wr_slot, st + C::ahead);
+        if (!decltype(checked)::value || st + C::ahead < kt_total) load_stage(wr, st + C::ahead);
         cp_async_commit();
-        wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
-        const uint8_t* wst = smem + C::b_ring + st_slot * C::ws_bytes + sidx * kStripStage;
-        wq[0] = *reinterpret_cast<const uint4*>(wst + lane * 16);
-        wq[1] = *reinterpret_cast<const uint4*>(wst + kBlk + lane * 16);
-        sc[0] = *reinterpret_cast<const uint32_t*>(wst + 512 + g * 4);
-        sc[1] = *reinterpret_cast<const uint32_t*>(wst + kBlk + 512 + g * 4);
+        const uint8_t* slot = smem + st_slot * C::ws_bytes;
+        wq[0] = *reinterpret_cast<const uint4*>(slot + w_off);
+        wq[1] = *reinterpret_cast<const uint4*>(slot + w_off + kBlk);
+        sc[0] = *reinterpret_cast<const uint32_t*>(slot + sc_off);
+        sc[1] = *reinterpret_cast<const uint32_t*>(slot + sc_off + kBlk);
       };
-      if constexpr (C::skew) next_stage(0, 0);
+      // One stage's math on the words in registers and the B tile of slot `cur`: decode, the
+      // wgmma chain, then `between` (the skewed loop brings in the next stage there, under the
+      // chain), then the promotion.
+      auto run_stage = [&](auto row_based_c, int cur, auto&& between) {
+        constexpr bool kRowBased = decltype(row_based_c)::value;
+        // A row's four scale bytes (groups q = 0..3), its base b (the stage's largest byte, or
+        // the row base, the row's largest) and the byte differences b - s (no borrows: no byte
+        // exceeds b), which index the byte tables.
+        const uint32_t sg = __byte_perm(sc[0], sc[1], 0x5410u);  // row g
+        const uint32_t s8 = __byte_perm(sc[0], sc[1], 0x7632u);  // row g + 8
+        const uint32_t bg = kRowBased ? rb & 0xffu : max_byte(sg);
+        const uint32_t b8 = kRowBased ? rb >> 16 : max_byte(s8);
+        const uint32_t dg = bg * 0x01010101u - sg, d8 = b8 * 0x01010101u - s8;
+        uint32_t f[4][4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // k32 group q = 2 kb + s2 of the stage
+          const int kb = q >> 1, s2 = q & 1;
+          const uint2 lg = luts[(dg >> (8 * q)) & 0xffu];
+          const uint2 l8 = luts[(d8 >> (8 * q)) & 0xffu];
+#pragma unroll
+          for (int h = 0; h < 2; ++h)  // a0 / a2: row g, a1 / a3: row g + 8
+            decode_e4m3_lut(word_of(wq[kb], 2 * s2 + h), lg, l8, f[q][2 * h], f[q][2 * h + 1]);
+          wgmma::fence_operands(f[q]);
+        }
+        // (No zeroing: the chain's first wgmma, accumulate = false, ignores the registers.)
+        float part[C::acc_regs];
+        // The k32 groups' descriptors: the stage's plus q * 32 bytes in the address field (>> 4).
+        const uint64_t desc0 = wgmma::desc_sw128(smem_u32(smem + cur * C::b_bytes), 16, 1024);
+        wgmma::fence();
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint64_t desc[1] = {desc0 + 2 * q};
+          wgmma::fence_operands(desc);
+          wgmma::wgmma_e4m3_rs<C::bm>(part, f[q], desc[0], q > 0);
+        }
+        wgmma::commit();
+        between();
+        wgmma::wait<0>();
+        wgmma::fence_operands(part);
+        const float* sst =
+            reinterpret_cast<const float*>(smem + C::b_ring + cur * C::ws_bytes + C::w_bytes);
+        promote_stage<kRowBased>(acc, part, sst, t, exp2_b_minus_133(bg), exp2_b_minus_133(b8));
+      };
       // The stage loop once per base rule (chosen per item), so that each is straight-line code.
       auto stage_loop = [&](auto row_based_c) {
-        constexpr bool kRowBased = decltype(row_based_c)::value;
+        if constexpr (C::skew) {
+          // Skewed: while the chain of stage kt runs, stage kt+1 in and a later stage's copies
+          // out. Slots as run-time indices (a stage is long: its bookkeeping is a small share).
+          int rd_slot = 0, wr_slot = C::ahead;
+          auto next_stage_rt = [&](int st, int st_slot) {
+            next_stage(std::true_type{}, st, st_slot, wr_slot);
+            wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
+          };
+          next_stage_rt(0, 0);
 #pragma unroll 1
-        for (int kt = 0; kt < kt_total; ++kt) {
-          if constexpr (!C::skew) next_stage(kt, rd_slot);
-          // A row's four scale bytes (groups q = 0..3), its base b (the stage's largest byte, or
-          // the row base, the row's largest) and the byte differences b - s (no borrows: no byte
-          // exceeds b), which index the byte tables.
-          const uint32_t sg = __byte_perm(sc[0], sc[1], 0x5410u);  // row g
-          const uint32_t s8 = __byte_perm(sc[0], sc[1], 0x7632u);  // row g + 8
-          const uint32_t bg = kRowBased ? rb & 0xffu : max_byte(sg);
-          const uint32_t b8 = kRowBased ? rb >> 16 : max_byte(s8);
-          const uint32_t dg = bg * 0x01010101u - sg, d8 = b8 * 0x01010101u - s8;
-          uint32_t f[4][4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {  // k32 group q = 2 kb + s2 of the stage
-            const int kb = q >> 1, s2 = q & 1;
-            const uint2 lg = luts[(dg >> (8 * q)) & 0xffu];
-            const uint2 l8 = luts[(d8 >> (8 * q)) & 0xffu];
-#pragma unroll
-            for (int h = 0; h < 2; ++h)  // a0 / a2: row g, a1 / a3: row g + 8
-              decode_e4m3_lut(word_of(wq[kb], 2 * s2 + h), lg, l8, f[q][2 * h], f[q][2 * h + 1]);
-            wgmma::fence_operands(f[q]);
+          for (int kt = 0; kt < kt_total; ++kt) {
+            const int nxt = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
+            run_stage(row_based_c, rd_slot, [&] {
+              if (kt + 1 < kt_total) next_stage_rt(kt + 1, nxt);
+            });
+            rd_slot = nxt;
           }
-          // (No zeroing: the chain's first wgmma, accumulate = false, ignores the registers.)
-          float part[C::acc_regs];
-          // The k32 groups' descriptors: the stage's plus q * 32 bytes in the address field (>> 4).
-          const uint64_t desc0 = wgmma::desc_sw128(smem_u32(smem + rd_slot * C::b_bytes), 16, 1024);
-          wgmma::fence();
+        } else {
+          // The decode tiles: `stages` stages an iteration, stage kt in slot kt % stages, its
+          // refill (stage kt + ahead) into slot (kt + ahead) % stages: constant slot addresses.
+          // The main loop's refills all exist; the tail checks.
+          constexpr int kU = C::stages;
+          const int kt_main = kt_total - C::ahead;
+          int kt0 = 0;
+#pragma unroll 1
+          for (; kt0 + kU <= kt_main; kt0 += kU) {
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            uint64_t desc[1] = {desc0 + 2 * q};
-            wgmma::fence_operands(desc);
-            wgmma::wgmma_e4m3_rs<C::bm>(part, f[q], desc[0], q > 0);
+            for (int r = 0; r < kU; ++r) {
+              next_stage(std::false_type{}, kt0 + r, r, (r + C::ahead) % C::stages);
+              run_stage(row_based_c, r, [] {});
+            }
           }
-          wgmma::commit();
-          const int cur_slot = rd_slot;
-          rd_slot = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
-          // Skewed: while the chain runs, stage kt+1 in, a later stage's copies out.
-          if constexpr (C::skew)
-            if (kt + 1 < kt_total) next_stage(kt + 1, rd_slot);
-          wgmma::wait<0>();
-          wgmma::fence_operands(part);
-          const float* sst = reinterpret_cast<const float*>(smem + C::b_ring +
-                                                            cur_slot * C::ws_bytes + C::w_bytes);
-          promote_stage<kRowBased>(acc, part, sst, t, exp2_b_minus_133(bg), exp2_b_minus_133(b8));
+#pragma unroll 1
+          for (; kt0 < kt_total; kt0 += kU) {
+#pragma unroll
+            for (int r = 0; r < kU; ++r) {
+              if (kt0 + r >= kt_total) break;
+              next_stage(std::true_type{}, kt0 + r, r, (r + C::ahead) % C::stages);
+              run_stage(row_based_c, r, [] {});
+            }
+          }
         }
       };
       if (row_based)
