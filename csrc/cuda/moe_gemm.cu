@@ -421,6 +421,33 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st,
   }
 }
 
+// ---- the decode tiles' stage loop ---------------------------------------------------------------
+// Stages kt = 0 .. kt_total - 1 as body(checked, r, kt), kU stages an iteration (r = kt % kU, a
+// compile-time constant in the unrolled body: the callers' ring slots), end_iteration() after
+// each iteration. The stages of whole iterations before kt_main get checked = std::false_type,
+// the rest std::true_type: the callers test there (a refill past the end, the last k block) what
+// the main loop need not.
+template <int kU, class Body, class End>
+__device__ __forceinline__ void for_stages(int kt_total, int kt_main, Body&& body,
+                                           End&& end_iteration) {
+  int kt0 = 0;
+#pragma unroll 1
+  for (; kt0 + kU <= kt_main; kt0 += kU) {
+#pragma unroll
+    for (int r = 0; r < kU; ++r) body(std::false_type{}, r, kt0 + r);
+    end_iteration();
+  }
+#pragma unroll 1
+  for (; kt0 < kt_total; kt0 += kU) {
+#pragma unroll
+    for (int r = 0; r < kU; ++r) {
+      if (kt0 + r >= kt_total) break;
+      body(std::true_type{}, r, kt0 + r);
+    }
+    end_iteration();
+  }
+}
+
 // ---- device-side schedule ----------------------------------------------------------------------
 // prefix[e] = tiles of the experts before e (bm rows per tile); prefix[E] = total tiles.
 template <class C>
@@ -702,24 +729,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       a_next += kU * (kBK * kEsize);
       if constexpr (kU != C::stages) slot0 = slot0 == C::stages - 1 ? 0 : slot0 + 1;
     };
-    // Main loop: every stage it copies (up to kt0 + kU - 1 + stages - 1) is a whole k block.
-    const int kt_main = min(kt_total, k / kBK) - (C::stages - 1);
-    int kt0 = 0;
-#pragma unroll 1
-    for (; kt0 + kU <= kt_main; kt0 += kU) {
-#pragma unroll
-      for (int r = 0; r < kU; ++r) stage(std::false_type{}, r, kt0 + r);
-      next_iteration();
-    }
-#pragma unroll 1
-    for (; kt0 < kt_total; kt0 += kU) {
-#pragma unroll
-      for (int r = 0; r < kU; ++r) {
-        if (kt0 + r >= kt_total) break;
-        stage(std::true_type{}, r, kt0 + r);
-      }
-      next_iteration();
-    }
+    // Main loop: every stage it copies (up to kt + stages - 1) is a whole k block.
+    for_stages<kU>(kt_total, min(kt_total, k / kBK) - (C::stages - 1), stage, next_iteration);
     cp_async_wait<0>();
     __syncthreads();  // the next item's prologue overwrites every stage
 
@@ -1086,26 +1097,13 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
           // The decode tiles: `stages` stages an iteration, stage kt in slot kt % stages, its
           // refill (stage kt + ahead) into slot (kt + ahead) % stages: constant slot addresses.
           // The main loop's refills all exist; the tail checks.
-          constexpr int kU = C::stages;
-          const int kt_main = kt_total - C::ahead;
-          int kt0 = 0;
-#pragma unroll 1
-          for (; kt0 + kU <= kt_main; kt0 += kU) {
-#pragma unroll
-            for (int r = 0; r < kU; ++r) {
-              next_stage(std::false_type{}, kt0 + r, r, (r + C::ahead) % C::stages);
-              run_stage(row_based_c, r, [] {});
-            }
-          }
-#pragma unroll 1
-          for (; kt0 < kt_total; kt0 += kU) {
-#pragma unroll
-            for (int r = 0; r < kU; ++r) {
-              if (kt0 + r >= kt_total) break;
-              next_stage(std::true_type{}, kt0 + r, r, (r + C::ahead) % C::stages);
-              run_stage(row_based_c, r, [] {});
-            }
-          }
+          for_stages<C::stages>(
+              kt_total, kt_total - C::ahead,
+              [&](auto checked, int r, int kt) {
+                next_stage(checked, kt, r, (r + C::ahead) % C::stages);
+                run_stage(row_based_c, r, [] {});
+              },
+              [] {});
         }
       };
       if (row_based)
