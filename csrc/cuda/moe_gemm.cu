@@ -687,8 +687,10 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // Stage kt is read from slot kt % stages; stage nk = kt + stages - 1 is copied at stage kt
     // into slot (kt - 1) % stages, the one stage kt - 1 was read from (every warp is past it: the
     // barrier). The tiny tile's loop runs `stages` stages an iteration, so its slot addresses are
-    // the ring's plus constants and the sources advance once an iteration (SASS a stage 207 ->
-    // ~190); the small tile's stage is 4-16x longer, and unrolled it would be ~15 K instructions.
+    // the ring's plus constants and the sources advance once an iteration (with the untested main
+    // loop and the branch-free copies, SASS a stage 207 -> 156). The small tile's loop stays
+    // rolled: its stage holds four token-step variants (unrolled: ~2.2-3.7 K instructions a loop;
+    // not measured yet, moe_gemm_NOTES.md session 11).
     constexpr int kU = C::wt == 1 ? C::stages : 1;  // stages an iteration
     const uint8_t* w_next = w_src + (C::stages - 1) * kStripStage;
     const uint8_t* a_next = a_src + (C::stages - 1) * (kBK * kEsize);
