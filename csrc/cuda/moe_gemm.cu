@@ -689,8 +689,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // barrier). The tiny tile's loop runs `stages` stages an iteration, so its slot addresses are
     // the ring's plus constants and the sources advance once an iteration (with the untested main
     // loop and the branch-free copies, SASS a stage 207 -> 156). The small tile's loop stays
-    // rolled: its stage holds four token-step variants (unrolled: ~2.2-3.7 K instructions a loop;
-    // not measured yet, moe_gemm_NOTES.md session 11).
+    // rolled: its stage holds four token-step variants, and unrolled it is no leaner a stage
+    // (moe_gemm_NOTES.md, session 11).
     constexpr int kU = C::wt == 1 ? C::stages : 1;  // stages an iteration
     const uint8_t* w_next = w_src + (C::stages - 1) * kStripStage;
     const uint8_t* a_next = a_src + (C::stages - 1) * (kBK * kEsize);
