@@ -633,9 +633,10 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const int a_r0 = tid / C::chunks_per_row, a_cc = tid - a_r0 * C::chunks_per_row;
     const int64_t a_off0 = (static_cast<int64_t>(a_r0) * k + a_cc * (16 / kEsize)) * kEsize;
     const uint32_t a_dst0 = static_cast<uint32_t>(C::w_bytes + a_r0 * C::a_pitch + a_cc * 16);
+    // The warp's offsets into a ring slot (the same for every item).
+    const StageOffsets so = StageOffsets::of<C>(lane, warp_n, warp_m);
     // Per item: the thread's first source chunk, how many of its rows the tile holds, and the
     // stages whose k block still covers its column (later ones zero-fill: k % kBK != 0).
-    const StageOffsets so = StageOffsets::of<C>(lane, warp_n, warp_m);
     // (A thread whose first row is past the tile names row 0's chunk instead, zero-filled: a
     // valid address, a_rows = 0.)
     const uint8_t* a_src = atile + (tile_rows > a_r0 ? a_off0 : a_cc * 16);
@@ -869,8 +870,9 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       row_based = __all_sync(0xffffffffu, row_based);
     }
     // Stage kt of the ring slot: the weights of this tile's strips, the B tile (rows past the
-    // tile are not copied: they only feed output columns that are discarded; k past the end is
-    // zero-filled, since it would feed every column) and, for e4m3, the tokens' a_scale column.
+    // tile are zero-filled, not read: they only feed output columns that are discarded; k past
+    // the end is zero-filled too, since it would feed every column) and, for e4m3, the tokens'
+    // a_scale column.
     // (A thread whose B rows are all past the tile names the tile's first row instead: its
     // copies are zero-fills, from a valid address.)
     int b_rows = 0;  // this thread's B rows in the tile
