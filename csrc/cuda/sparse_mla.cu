@@ -576,9 +576,9 @@ struct Smem {
   static constexpr int kK = kQ + kHeads * kRowBytes;
   static constexpr int kP = kK + kTiles * kTileN * kRowBytes;
   static constexpr int kRed = kP + kHeads * kTileN * 2;        // [2][R][16][C] floats
-  static constexpr int kRefs = kRed + 2 * R * 16 * kC * 4;     // [64] RowRef (bf16)
-  static constexpr int kValid = kRefs + kTileN * 16;           // [2][64] int
-  static constexpr int kXchg = kValid + 2 * kTileN * 4;        // wgmma S halves [2][128][16]
+  static constexpr int kRefs = kRed + 2 * R * 16 * kC * 4;     // [2][64] RowRef (bf16)
+  static constexpr int kValid = kRefs + 2 * kTileN * 16;       // [3][64] int
+  static constexpr int kXchg = kValid + 3 * kTileN * 4;        // wgmma S halves [2][128][16]
   // wgmma: S halves [2][128][16] floats; mma.sync: partial S [R][2 dim halves][16][kXPitch].
   // Floats a row: 8 mod 32, so a half-warp's float2 accesses (rows g, columns 2 q4) cover 32
   // distinct banks.
@@ -867,17 +867,22 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
 
   load_q<R>(a, t, head0, sQ);
 
-  // Tile `it` of this split lives in buffer it % 2, its validity flags in sValid[it % 2].
-  // Threads 0..63 own one list entry each: they fetch the slots of a tile one iteration before
-  // its copies are issued.
+  // Tile `it` of this split lives in buffer it % 2 with its row references in sRefs[it % 2] and
+  // its validity flags in sValid[it % 3]. Threads 0..63 own one list entry each: they fetch a
+  // tile's slots two iterations before its copies and resolve them one iteration before, so the
+  // copies of tile it + 1 go out right after iteration it's barrier, from references published
+  // before it (one barrier a tile for the copies, not two). The flags of tile it + 2, published
+  // during iteration it, need a third buffer: tile it's softmax still reads its own.
   const bool owner = threadIdx.x < kTileN;
-  auto publish = [&](int32_t slot, int which, int stage) {
-    sRefs[threadIdx.x] = resolve<false>(a, slot, which);
-    sValid[stage * kTileN + threadIdx.x] = slot >= 0;
+  auto publish = [&](int32_t slot, int which, int tile) {
+    sRefs[(tile & 1) * kTileN + threadIdx.x] = resolve<false>(a, slot, which);
+    sValid[(tile % 3) * kTileN + threadIdx.x] = slot >= 0;
   };
   int32_t pf_slot = -1;
   int pf_which = 0;
-  // Prologue: tile 0 (the Q copies join its group).
+  // Prologue: tile 0 published and its copies issued (the Q copies join its group), then tile 1
+  // published (visible at the loop's first barrier) and tile 2's slots fetched, under tile 0's
+  // copies.
   if (owner) {
     fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
     publish(pf_slot, pf_which, 0);
@@ -885,8 +890,11 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
   __syncthreads();
   if (n > 0) load_tile_bf16<kThreads>(sRefs, a.q, sK, threadIdx.x);
   cp_async_commit();
-  __syncthreads();  // sRefs is reused below
-  if (owner) fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+  if (owner) {
+    fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+    publish(pf_slot, pf_which, 1);
+    fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
+  }
 
   float acc[G::OT][4];
 #pragma unroll
@@ -903,20 +911,20 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
     __syncthreads();  // ... and everyone's; all warps are done with tile it-1
     uint8_t* kt = sK + stage * kTileN * kRowBytes;
     const int ahead = it + 1;  // the tile whose copies are issued now
-    if (owner) {
-      publish(pf_slot, pf_which, ahead % kStages);
-      fetch_slot(a, t, tile_begin + ahead + 1, tile_end, threadIdx.x, pf_slot, pf_which);
-    }
-    __syncthreads();  // sRefs published
     if (ahead < n)
-      load_tile_bf16<kThreads>(sRefs, a.q, sK + (ahead % kStages) * kTileN * kRowBytes,
-                               threadIdx.x);
+      load_tile_bf16<kThreads>(sRefs + (ahead & 1) * kTileN, a.q,
+                               sK + (ahead % kStages) * kTileN * kRowBytes, threadIdx.x);
     cp_async_commit();
+    // (Into tile it's reference buffer: its copies were issued before the barrier above.)
+    if (owner) {
+      publish(pf_slot, pf_which, it + 2);
+      fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+    }
     const uint32_t k_base = smem_u32(kt);
 
     float s[G::NT][4];
     scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
-    softmax_and_rescale<R>(s, acc, sValid + stage * kTileN, sRed + (it & 1) * (R * 16 * G::C),
+    softmax_and_rescale<R>(s, acc, sValid + (it % 3) * kTileN, sRed + (it & 1) * (R * 16 * G::C),
                            sP, rg, cg, g, q4, a.scale_log2, m_run, l_run);
     pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
     pv_wait<R>(acc);
