@@ -150,6 +150,10 @@ struct WgCfg {
   static constexpr int bm = kBM;                  // tokens per CTA tile (wgmma N)
   static constexpr int stages = kStages, ahead = kAhead, min_blocks = kMinBlocks;
   static constexpr bool skew = kSkew;  // float8: the stage loop skewed by one stage (see kernel)
+  // Skewed float8 at one CTA an SM (registers to spare): the next stage is decoded under the
+  // chain as well, into a second set of A fragments (16 registers).
+  static constexpr bool decode_ahead = skew && kMinBlocks == 1;
+  static_assert(!decode_ahead || threads * 255 <= 65536, "the second fragment set's registers");
   static_assert(!skew || fp8, "only the float8 stage loop has a skewed form");
   static constexpr int w_bytes = strips * kStripStage;
   static constexpr int b_row_bytes = kBK * (fp8 ? 1 : 2);  // one token's k block: 1 or 2 panels
@@ -1035,10 +1039,9 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         sc[0] = *reinterpret_cast<const uint32_t*>(slot + sc_off);
         sc[1] = *reinterpret_cast<const uint32_t*>(slot + sc_off + kBlk);
       };
-      // One stage's math on the words in registers and the B tile of slot `cur`: decode, the
-      // wgmma chain, then `between` (the skewed loop brings in the next stage there, under the
-      // chain), then the promotion.
-      auto run_stage = [&](auto row_based_c, int cur, auto&& between) {
+      // One stage's decode: the words and scale bytes in registers (next_stage) into the four
+      // k32 groups' e4m3 A fragments `f`, and the promotion factors of its rows (per-stage bases).
+      auto decode_stage = [&](auto row_based_c, uint32_t(&f)[4][4], float& fg, float& f8) {
         constexpr bool kRowBased = decltype(row_based_c)::value;
         // A row's four scale bytes (groups q = 0..3), its base b (the stage's largest byte, or
         // the row base, the row's largest) and the byte differences b - s (no borrows: no byte
@@ -1048,7 +1051,6 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         const uint32_t bg = kRowBased ? rb & 0xffu : max_byte(sg);
         const uint32_t b8 = kRowBased ? rb >> 16 : max_byte(s8);
         const uint32_t dg = bg * 0x01010101u - sg, d8 = b8 * 0x01010101u - s8;
-        uint32_t f[4][4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // k32 group q = 2 kb + s2 of the stage
           const int kb = q >> 1, s2 = q & 1;
@@ -1059,6 +1061,14 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
             decode_e4m3_lut(word_of(wq[kb], 2 * s2 + h), lg, l8, f[q][2 * h], f[q][2 * h + 1]);
           wgmma::fence_operands(f[q]);
         }
+        fg = exp2_b_minus_133(bg);  // (unused with row bases)
+        f8 = exp2_b_minus_133(b8);
+      };
+      // A decoded stage on the B tile of slot `cur`: the wgmma chain, then `between` (the skewed
+      // loops bring in the next stage there, under the chain), then the promotion.
+      auto chain_stage = [&](auto row_based_c, uint32_t(&f)[4][4], float fg, float f8, int cur,
+                             auto&& between) {
+        constexpr bool kRowBased = decltype(row_based_c)::value;
         // (No zeroing: the chain's first wgmma, accumulate = false, ignores the registers.)
         float part[C::acc_regs];
         // The k32 groups' descriptors: the stage's plus q * 32 bytes in the address field (>> 4).
@@ -1076,7 +1086,14 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         wgmma::fence_operands(part);
         const float* sst =
             reinterpret_cast<const float*>(smem + C::b_ring + cur * C::ws_bytes + C::w_bytes);
-        promote_stage<kRowBased>(acc, part, sst, t, exp2_b_minus_133(bg), exp2_b_minus_133(b8));
+        promote_stage<kRowBased>(acc, part, sst, t, fg, f8);
+      };
+      // Decode, then the chain.
+      auto run_stage = [&](auto row_based_c, int cur, auto&& between) {
+        uint32_t f[4][4];
+        float fg, f8;
+        decode_stage(row_based_c, f, fg, f8);
+        chain_stage(row_based_c, f, fg, f8, cur, between);
       };
       // The stage loop once per base rule (chosen per item), so that each is straight-line code.
       auto stage_loop = [&](auto row_based_c) {
@@ -1089,13 +1106,38 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
             wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
           };
           next_stage_rt(0, 0);
+          if constexpr (C::decode_ahead) {
+            // Stage kt+1 is also decoded under the chain of kt, into the other of two fragment
+            // sets (two stages an iteration, so that each set keeps its registers): the chain of
+            // kt+1 issues right after kt's promotion.
+            uint32_t fr[2][4][4];
+            float fg[2], f8[2];
+            decode_stage(row_based_c, fr[0], fg[0], f8[0]);
+            auto one = [&](int kt, auto cur_c) {
+              constexpr int c = decltype(cur_c)::value;
+              const int nxt = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
+              chain_stage(row_based_c, fr[c], fg[c], f8[c], rd_slot, [&] {
+                if (kt + 1 < kt_total) {
+                  next_stage_rt(kt + 1, nxt);
+                  decode_stage(row_based_c, fr[c ^ 1], fg[c ^ 1], f8[c ^ 1]);
+                }
+              });
+              rd_slot = nxt;
+            };
 #pragma unroll 1
-          for (int kt = 0; kt < kt_total; ++kt) {
-            const int nxt = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
-            run_stage(row_based_c, rd_slot, [&] {
-              if (kt + 1 < kt_total) next_stage_rt(kt + 1, nxt);
-            });
-            rd_slot = nxt;
+            for (int kt = 0; kt < kt_total; kt += 2) {
+              one(kt, std::integral_constant<int, 0>{});
+              if (kt + 1 < kt_total) one(kt + 1, std::integral_constant<int, 1>{});
+            }
+          } else {
+#pragma unroll 1
+            for (int kt = 0; kt < kt_total; ++kt) {
+              const int nxt = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
+              run_stage(row_based_c, rd_slot, [&] {
+                if (kt + 1 < kt_total) next_stage_rt(kt + 1, nxt);
+              });
+              rd_slot = nxt;
+            }
           }
         } else {
           // The decode tiles: `stages` stages an iteration, stage kt in slot kt % stages, its
