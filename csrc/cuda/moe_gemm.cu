@@ -1012,7 +1012,10 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       // and read kt+1's weights and scale bytes; only the promotion waits for the chain. Two
       // stages are then live at a refill (kt: its token scales, kt+1), so loads run ahead <=
       // stages - 2. (Measured on the H200: +8-15% with 64- and 128-token tiles; -4 to -9% with
-      // the 8- and 32-token decode tiles, whose chains are too short to hide anything.)
+      // the 8- and 32-token decode tiles, whose chains are too short to hide anything.) The wide
+      // tile (C::decode_ahead) also decodes stage kt+1 under the chain, into a second fragment
+      // set: +1-3% (session 12); issuing each k32 group's wgmma right after its decode instead
+      // was 1-7% slower on every float8 tile (a wgmma.fence a group).
       static_assert(C::ahead <= C::stages - 1 - (C::skew ? 1 : 0),
                     "float8: the stages live at a refill stay out of its slot");
       // (The token scales are re-read from shared memory rather than held: at 64 tokens 16 more
