@@ -1042,20 +1042,22 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
 //     entries, n = dims); n-block p of the 8 holds dims 64 w + 16 (n / 2) + 2 p + n % 2, so lane
 //     (g, c) ends with O[g (+8)][64 w + 16 c ..+16]: contiguous, stored straight to global memory.
 // One CTA (8 warps) an SM: ~115 KB of shared memory and ~180 registers a thread.
+template <int kBufs>  // raw tile buffers: 2 (cp.async, one tile ahead) or 3 (bulk, two ahead)
 struct H16Smem {
   static constexpr int kPartPitch = kTileN + 8;  // floats; 8 mod 32: float2 half-warps conflict-free
-  static constexpr int kRaw = 0;                                 // [2][64][576] raw rows
-  static constexpr int kScale = kRaw + 2 * kTileN * kFp8Row;     // [2][64][8] scale bytes
-  static constexpr int kPart = kScale + 2 * kTileN * 8;          // [8 warps][16][kPartPitch] f32
+  static constexpr int kRaw = 0;                                 // [kBufs][64][576] raw rows
+  static constexpr int kScale = kRaw + kBufs * kTileN * kFp8Row; // [kBufs][64][8] scale bytes
+  static constexpr int kPart = kScale + kBufs * kTileN * 8;      // [8 warps][16][kPartPitch] f32
   static constexpr int kP = kPart + 8 * 16 * kPartPitch * 4;     // [16][64] bf16, swizzled
   static constexpr int kMax = kP + 16 * kTileN * 2;              // [8 warps][16] f32
   static constexpr int kRefs = kMax + 8 * 16 * 4;                // [2][64] RowRef
   static constexpr int kValid = kRefs + 2 * kTileN * 16;         // [3][64] int
-  static constexpr int kBytes = kValid + 3 * kTileN * 4;
+  static constexpr int kBar = kValid + 3 * kTileN * 4;           // [kBufs] mbarriers
+  static constexpr int kBytes = kBar + kBufs * 8;
   static constexpr int kAlloc = kBytes + 1024;
   static_assert(kAlloc <= 227 * 1024, "shared memory budget");
   static_assert(kRaw % 16 == 0 && kScale % 16 == 0 && kPart % 16 == 0 && kP % 16 == 0 &&
-                    kRefs % 16 == 0,
+                    kRefs % 16 == 0 && kBar % 8 == 0,
                 "16-byte aligned regions");
 };
 
@@ -1093,8 +1095,10 @@ __device__ __forceinline__ void load_tile_fp8_raw(const RowRef* refs, const void
   }
 }
 
+template <bool kBulk>
 __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const KernelArgs a) {
-  using S = H16Smem;
+  constexpr int kBufs = kBulk ? 3 : 2;
+  using S = H16Smem<kBufs>;
   constexpr int P = S::kPartPitch;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
@@ -1105,6 +1109,7 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   float* sMax = reinterpret_cast<float*>(smem + S::kMax);
   RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
   int* sValid = reinterpret_cast<int*>(smem + S::kValid);
+  uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + S::kBar);
 
   const WorkItem w = work_item<1>(a);
   const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, warp, g, c] = w;
@@ -1126,9 +1131,44 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.scale));
     }
   };
+  // Bulk variant: thread e < 64 copies entry e of every tile itself, two tiles ahead, into raw
+  // buffer tile % 3: the row by one bulk copy (a skipped entry's row zeroed by hand), its scale
+  // bytes by cp.async; buffer b's mbarrier completes once all 64 rows' bytes have landed and all
+  // 64 threads' cp.asyncs have (2 x 64 arrivals).
+  auto issue = [&](int tile, int32_t slot, int which) {
+    const int b = tile % kBufs;
+    const RowRef ref = resolve<true>(a, slot, which);
+    const uint32_t bar = smem_u32(sBar + b);
+    uint8_t* dst = sRaw + (b * kTileN + threadIdx.x) * kFp8Row;
+    sValid[(tile % 3) * kTileN + threadIdx.x] = slot >= 0;
+    const bool valid = ref.row != nullptr;
+    mbar_arrive_expect_tx(bar, valid ? kFp8Row : 0);
+    if (valid) {
+      bulk_copy_g2s(smem_u32(dst), ref.row, kFp8Row, bar);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kFp8Chunks; ++k)
+        reinterpret_cast<uint4*>(dst)[k] = make_uint4(0, 0, 0, 0);
+      fence_proxy_async_smem();  // before a later bulk copy into this row
+    }
+    cp_async8(smem_u32(sScale + (b * kTileN + threadIdx.x) * 8), valid ? static_cast<const void*>(ref.scale) : a.q, valid);
+    mbar_arrive_cp_async(bar);
+  };
   int32_t pf_slot = -1;
   int pf_which = 0;
-  if (owner) {
+  int32_t slot0 = -1;
+  int which0 = 0;
+  if constexpr (kBulk) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int b = 0; b < kBufs; ++b) mbar_init(smem_u32(sBar + b), 2 * kTileN);
+      mbar_init_fence();
+    }
+    if (owner) {
+      fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, slot0, which0);
+      fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+    }
+  } else if (owner) {
     fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
     publish(pf_slot, pf_which, 0);
   }
@@ -1160,13 +1200,22 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     }
   }
 
-  __syncthreads();  // tile 0's references
-  if (n > 0) load_tile_fp8_raw(sRefs, a.q, sRaw, sScale, threadIdx.x);
-  cp_async_commit();
-  if (owner) {
-    fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
-    publish(pf_slot, pf_which, 1);
-    fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
+  if constexpr (kBulk) {
+    __syncthreads();  // the mbarriers initialised
+    if (owner) {
+      if (n > 0) issue(0, slot0, which0);
+      if (n > 1) issue(1, pf_slot, pf_which);
+      fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
+    }
+  } else {
+    __syncthreads();  // tile 0's references
+    if (n > 0) load_tile_fp8_raw(sRefs, a.q, sRaw, sScale, threadIdx.x);
+    cp_async_commit();
+    if (owner) {
+      fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+      publish(pf_slot, pf_which, 1);
+      fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
+    }
   }
 
   float acc[8][4];
@@ -1181,22 +1230,31 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     pa[m] = smem_u32(sP) + prow * 128 + ((((2 * m) | phi) ^ (prow & 7)) << 4);
 
   for (int it = 0; it < n; ++it) {
-    cp_async_wait<0>();
-    __syncthreads();  // tile it landed (everyone's copies), tile it+1's references published,
-                      // every warp done with iteration it-1 (raw buffer (it+1) % 2, sP, sMax)
-    if (it + 1 < n)
-      load_tile_fp8_raw(sRefs + ((it + 1) & 1) * kTileN, a.q,
-                        sRaw + ((it + 1) & 1) * kTileN * kFp8Row,
-                        sScale + ((it + 1) & 1) * kTileN * 8, threadIdx.x);
-    cp_async_commit();
-    if (owner) {  // into tile it's reference buffer: its copies were issued before the barrier
-      publish(pf_slot, pf_which, it + 2);
-      fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+    if constexpr (kBulk) {
+      mbar_wait(smem_u32(sBar + it % kBufs), (it / kBufs) & 1);
+      __syncthreads();  // every warp done with iteration it-1 (raw buffer (it+2) % 3, sP, sMax)
+      if (owner) {
+        if (it + 2 < n) issue(it + 2, pf_slot, pf_which);
+        fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+      }
+    } else {
+      cp_async_wait<0>();
+      __syncthreads();  // tile it landed (everyone's copies), tile it+1's references published,
+                        // every warp done with iteration it-1 (raw buffer (it+1) % 2, sP, sMax)
+      if (it + 1 < n)
+        load_tile_fp8_raw(sRefs + ((it + 1) & 1) * kTileN, a.q,
+                          sRaw + ((it + 1) & 1) * kTileN * kFp8Row,
+                          sScale + ((it + 1) & 1) * kTileN * 8, threadIdx.x);
+      cp_async_commit();
+      if (owner) {  // into tile it's reference buffer: its copies were issued before the barrier
+        publish(pf_slot, pf_which, it + 2);
+        fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+      }
     }
 
     // ---- this lane's K: entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs ----
-    const uint8_t* raw = sRaw + (it & 1) * kTileN * kFp8Row;
-    const uint8_t* scl = sScale + (it & 1) * kTileN * 8;
+    const uint8_t* raw = sRaw + (it % kBufs) * kTileN * kFp8Row;
+    const uint8_t* scl = sScale + (it % kBufs) * kTileN * 8;
     uint32_t kr[8][8];
     if (warp < 7) {
       uint4 x[8];
@@ -1448,26 +1506,32 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
 }
 
 // 16 heads over the FP8 cache run sparse_mla_fp8_h16_kernel (one CTA an SM); the environment
-// variable ZEROINFER_MLA_H16=old selects the one-tile kernel (two CTAs an SM) instead, for A/B
-// measurements (WIP: remove once measured).
-bool fp8_h16_regk() {
-  static const bool v = [] {
+// variable ZEROINFER_MLA_H16 = old selects the one-tile kernel (two CTAs an SM), = cpasync the
+// h16 kernel with cp.async copies instead of bulk copies, for A/B measurements (WIP).
+int fp8_h16_variant() {  // 0: old, 1: cp.async, 2: bulk
+  static const int v = [] {
     const char* e = std::getenv("ZEROINFER_MLA_H16");
-    return !(e != nullptr && std::strcmp(e, "old") == 0);
+    if (e != nullptr && std::strcmp(e, "old") == 0) return 0;
+    if (e != nullptr && std::strcmp(e, "cpasync") == 0) return 1;
+    return 2;
   }();
   return v;
+}
+bool fp8_h16_regk() { return fp8_h16_variant() != 0; }
+
+template <bool kBulk>
+void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  constexpr int bytes = H16Smem<kBulk ? 3 : 2>::kAlloc;
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel<kBulk>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  sparse_mla_fp8_h16_kernel<kBulk><<<grid, 256, bytes, stream>>>(a);
 }
 
 template <int R, bool kFp8>
 void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   if constexpr (R == 1 && kFp8) {
-    if (fp8_h16_regk()) {
-      constexpr int bytes = H16Smem::kAlloc;
-      ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-      sparse_mla_fp8_h16_kernel<<<grid, 256, bytes, stream>>>(a);
-      return;
-    }
+    if (fp8_h16_variant() == 2) return launch_h16<true>(a, grid, stream);
+    if (fp8_h16_variant() == 1) return launch_h16<false>(a, grid, stream);
   }
   constexpr int bytes = Smem<R, kFp8>::kAlloc;
   static_assert(bytes * Smem<R, kFp8>::kCtasPerSm <= 227 * 1024, "shared memory budget");
