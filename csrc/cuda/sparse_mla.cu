@@ -1095,8 +1095,24 @@ __device__ __forceinline__ void load_tile_fp8_raw(const RowRef* refs, const void
   }
 }
 
-template <bool kBulk>
+// The same tile's copies with four threads a row: thread tid takes chunks tid % 4 + 4 k of row
+// tid / 4, so its row reference is read once and its nine copies differ by immediates.
+__device__ __forceinline__ void load_tile_fp8_raw4(const RowRef* refs, const void* dummy,
+                                                   uint8_t* raw, uint8_t* scales, int tid) {
+  const int e = tid >> 2, q = tid & 3;
+  const RowRef ref = refs[e];
+  const bool valid = ref.row != nullptr;
+  const uint8_t* src = (valid ? ref.row : static_cast<const uint8_t*>(dummy)) + q * 16;
+  const uint32_t dst = smem_u32(raw + e * kFp8Row + q * 16);
+#pragma unroll
+  for (int k = 0; k < kFp8Chunks / 4; ++k) cp_async16(dst + 64 * k, src + 64 * k, valid);
+  if (q == 0) cp_async8(smem_u32(scales + e * 8), valid ? ref.scale : dummy, valid);
+}
+
+// kCopy: 0 cp.async (load_tile_fp8_raw), 1 cp.async four threads a row, 2 bulk copies (WIP A/B)
+template <int kCopy>
 __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const KernelArgs a) {
+  constexpr bool kBulk = kCopy == 2;
   constexpr int kBufs = kBulk ? 3 : 2;
   using S = H16Smem<kBufs>;
   constexpr int P = S::kPartPitch;
@@ -1119,11 +1135,14 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   // Row references: threads 0..63 own one list entry each; a tile's slots are fetched two
   // iterations before its copies and resolved (and its rows prefetched into L2) one iteration
   // before, into sRefs[tile % 2] and sValid[tile % 3] (as in the bf16 kernel).
-  const bool owner = threadIdx.x < kTileN;
+  // Entry `me` of each tile is fetched (and, bulk: copied) by its owner thread: threads 0..63, or
+  // for bulk copies lanes 0..7 of every warp (a warp issues its lanes' copies one at a time).
+  const bool owner = kBulk ? (lane < 8) : (threadIdx.x < kTileN);
+  const int me = kBulk ? 8 * warp + lane : threadIdx.x;
   auto publish = [&](int32_t slot, int which, int tile) {
     const RowRef ref = resolve<true>(a, slot, which);
-    sRefs[(tile & 1) * kTileN + threadIdx.x] = ref;
-    sValid[(tile % 3) * kTileN + threadIdx.x] = slot >= 0;
+    sRefs[(tile & 1) * kTileN + me] = ref;
+    sValid[(tile % 3) * kTileN + me] = slot >= 0;
     if (ref.row != nullptr) {
 #pragma unroll
       for (int off = 0; off < kFp8Row; off += 128)
@@ -1139,8 +1158,8 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     const int b = tile % kBufs;
     const RowRef ref = resolve<true>(a, slot, which);
     const uint32_t bar = smem_u32(sBar + b);
-    uint8_t* dst = sRaw + (b * kTileN + threadIdx.x) * kFp8Row;
-    sValid[(tile % 3) * kTileN + threadIdx.x] = slot >= 0;
+    uint8_t* dst = sRaw + (b * kTileN + me) * kFp8Row;
+    sValid[(tile % 3) * kTileN + me] = slot >= 0;
     const bool valid = ref.row != nullptr;
     mbar_arrive_expect_tx(bar, valid ? kFp8Row : 0);
     if (valid) {
@@ -1151,8 +1170,13 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
         reinterpret_cast<uint4*>(dst)[k] = make_uint4(0, 0, 0, 0);
       fence_proxy_async_smem();  // before a later bulk copy into this row
     }
-    cp_async8(smem_u32(sScale + (b * kTileN + threadIdx.x) * 8), valid ? static_cast<const void*>(ref.scale) : a.q, valid);
+    cp_async8(smem_u32(sScale + (b * kTileN + me) * 8), valid ? static_cast<const void*>(ref.scale) : a.q, valid);
     mbar_arrive_cp_async(bar);
+  };
+  auto load_raw = [](const RowRef* refs, const void* dummy, uint8_t* raw, uint8_t* scales,
+                     int tid) {
+    if constexpr (kCopy == 1) load_tile_fp8_raw4(refs, dummy, raw, scales, tid);
+    else load_tile_fp8_raw(refs, dummy, raw, scales, tid);
   };
   int32_t pf_slot = -1;
   int pf_which = 0;
@@ -1165,11 +1189,11 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       mbar_init_fence();
     }
     if (owner) {
-      fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, slot0, which0);
-      fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+      fetch_slot(a, t, tile_begin, tile_end, me, slot0, which0);
+      fetch_slot(a, t, tile_begin + 1, tile_end, me, pf_slot, pf_which);
     }
   } else if (owner) {
-    fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
+    fetch_slot(a, t, tile_begin, tile_end, me, pf_slot, pf_which);
     publish(pf_slot, pf_which, 0);
   }
 
@@ -1205,16 +1229,16 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     if (owner) {
       if (n > 0) issue(0, slot0, which0);
       if (n > 1) issue(1, pf_slot, pf_which);
-      fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
+      fetch_slot(a, t, tile_begin + 2, tile_end, me, pf_slot, pf_which);
     }
   } else {
     __syncthreads();  // tile 0's references
-    if (n > 0) load_tile_fp8_raw(sRefs, a.q, sRaw, sScale, threadIdx.x);
+    if (n > 0) load_raw(sRefs, a.q, sRaw, sScale, threadIdx.x);
     cp_async_commit();
     if (owner) {
-      fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+      fetch_slot(a, t, tile_begin + 1, tile_end, me, pf_slot, pf_which);
       publish(pf_slot, pf_which, 1);
-      fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
+      fetch_slot(a, t, tile_begin + 2, tile_end, me, pf_slot, pf_which);
     }
   }
 
@@ -1235,20 +1259,20 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       __syncthreads();  // every warp done with iteration it-1 (raw buffer (it+2) % 3, sP, sMax)
       if (owner) {
         if (it + 2 < n) issue(it + 2, pf_slot, pf_which);
-        fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+        fetch_slot(a, t, tile_begin + it + 3, tile_end, me, pf_slot, pf_which);
       }
     } else {
       cp_async_wait<0>();
       __syncthreads();  // tile it landed (everyone's copies), tile it+1's references published,
                         // every warp done with iteration it-1 (raw buffer (it+1) % 2, sP, sMax)
       if (it + 1 < n)
-        load_tile_fp8_raw(sRefs + ((it + 1) & 1) * kTileN, a.q,
+        load_raw(sRefs + ((it + 1) & 1) * kTileN, a.q,
                           sRaw + ((it + 1) & 1) * kTileN * kFp8Row,
                           sScale + ((it + 1) & 1) * kTileN * 8, threadIdx.x);
       cp_async_commit();
       if (owner) {  // into tile it's reference buffer: its copies were issued before the barrier
         publish(pf_slot, pf_which, it + 2);
-        fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+        fetch_slot(a, t, tile_begin + it + 3, tile_end, me, pf_slot, pf_which);
       }
     }
 
@@ -1508,30 +1532,33 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
 // 16 heads over the FP8 cache run sparse_mla_fp8_h16_kernel (one CTA an SM); the environment
 // variable ZEROINFER_MLA_H16 = old selects the one-tile kernel (two CTAs an SM), = cpasync the
 // h16 kernel with cp.async copies instead of bulk copies, for A/B measurements (WIP).
-int fp8_h16_variant() {  // 0: old, 1: cp.async, 2: bulk
+int fp8_h16_variant() {  // 0: old, 1: h16 cp.async, 2: h16 cp.async 4/row, 3: h16 bulk
   static const int v = [] {
     const char* e = std::getenv("ZEROINFER_MLA_H16");
     if (e != nullptr && std::strcmp(e, "old") == 0) return 0;
     if (e != nullptr && std::strcmp(e, "cpasync") == 0) return 1;
+    if (e != nullptr && std::strcmp(e, "bulk") == 0) return 3;
     return 2;
   }();
   return v;
 }
 bool fp8_h16_regk() { return fp8_h16_variant() != 0; }
 
-template <bool kBulk>
+template <int kCopy>
 void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = H16Smem<kBulk ? 3 : 2>::kAlloc;
-  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel<kBulk>,
+  constexpr int bytes = H16Smem<kCopy == 2 ? 3 : 2>::kAlloc;
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel<kCopy>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  sparse_mla_fp8_h16_kernel<kBulk><<<grid, 256, bytes, stream>>>(a);
+  sparse_mla_fp8_h16_kernel<kCopy><<<grid, 256, bytes, stream>>>(a);
 }
 
 template <int R, bool kFp8>
 void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   if constexpr (R == 1 && kFp8) {
-    if (fp8_h16_variant() == 2) return launch_h16<true>(a, grid, stream);
-    if (fp8_h16_variant() == 1) return launch_h16<false>(a, grid, stream);
+    const int v = fp8_h16_variant();
+    if (v == 1) return launch_h16<0>(a, grid, stream);
+    if (v == 2) return launch_h16<1>(a, grid, stream);
+    if (v == 3) return launch_h16<2>(a, grid, stream);
   }
   constexpr int bytes = Smem<R, kFp8>::kAlloc;
   static_assert(bytes * Smem<R, kFp8>::kCtasPerSm <= 227 * 1024, "shared memory budget");
