@@ -1102,15 +1102,18 @@ __device__ __forceinline__ void load_tile_fp8_raw4(const RowRef* refs, const voi
   const int e = tid >> 2, q = tid & 3;
   const RowRef ref = refs[e];
   const bool valid = ref.row != nullptr;
+  // (The scale copy first: an address register is still being read by an issued copy, so
+  // computing the scale's into it after the row copies waited for them.)
+  if (q == 0) cp_async8(smem_u32(scales + e * 8), valid ? ref.scale : dummy, valid);
   const uint8_t* src = (valid ? ref.row : static_cast<const uint8_t*>(dummy)) + q * 16;
   const uint32_t dst = smem_u32(raw + e * kFp8Row + q * 16);
 #pragma unroll
   for (int k = 0; k < kFp8Chunks / 4; ++k) cp_async16(dst + 64 * k, src + 64 * k, valid);
-  if (q == 0) cp_async8(smem_u32(scales + e * 8), valid ? ref.scale : dummy, valid);
 }
 
 // kCopy: 0 cp.async (load_tile_fp8_raw), 1 cp.async four threads a row, 2 bulk copies (WIP A/B)
-template <int kCopy>
+// kDefer: tile it's P V runs after the next tile's first barrier (three barriers a tile, not four).
+template <int kCopy, bool kDefer>
 __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const KernelArgs a) {
   constexpr bool kBulk = kCopy == 2;
   constexpr int kBufs = kBulk ? 3 : 2;
@@ -1253,6 +1256,20 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   for (int m = 0; m < 4; ++m)
     pa[m] = smem_u32(sP) + prow * 128 + ((((2 * m) | phi) ^ (prow & 7)) << 4);
 
+  // This lane's K (entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs); after S, V.
+  uint32_t kr[8][8];
+  // O += P V over this warp's dims (P from shared memory, V in kr).
+  auto pv_step = [&]() {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      uint32_t a0, a1, a2, a3;
+      ldsm_x4(pa[ks], a0, a1, a2, a3);
+#pragma unroll
+      for (int p = 0; p < 8; ++p)
+        mma_bf16(acc[p], a0, a1, a2, a3, kr[2 * ks][p], kr[2 * ks + 1][p]);
+    }
+  };
+
   for (int it = 0; it < n; ++it) {
     if constexpr (kBulk) {
       mbar_wait(smem_u32(sBar + it % kBufs), (it / kBufs) & 1);
@@ -1276,10 +1293,13 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       }
     }
 
+    if constexpr (kDefer) {
+      if (it > 0) pv_step();  // tile it-1's: its P was complete at the barrier above
+    }
+
     // ---- this lane's K: entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs ----
     const uint8_t* raw = sRaw + (it % kBufs) * kTileN * kFp8Row;
     const uint8_t* scl = sScale + (it % kBufs) * kTileN * 8;
-    uint32_t kr[8][8];
     if (warp < 7) {
       uint4 x[8];
       uint32_t b[8];
@@ -1420,16 +1440,15 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
         acc[p][3] *= alpha[1];
       }
     }
-    __syncthreads();  // P complete
-
-    // ---- O += P V over this warp's dims ----
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      uint32_t a0, a1, a2, a3;
-      ldsm_x4(pa[ks], a0, a1, a2, a3);
-#pragma unroll
-      for (int p = 0; p < 8; ++p)
-        mma_bf16(acc[p], a0, a1, a2, a3, kr[2 * ks][p], kr[2 * ks + 1][p]);
+    if constexpr (!kDefer) {
+      __syncthreads();  // P complete
+      pv_step();
+    }
+  }
+  if constexpr (kDefer) {
+    if (n > 0) {
+      __syncthreads();  // the last P complete
+      pv_step();
     }
   }
 
@@ -1538,27 +1557,29 @@ int fp8_h16_variant() {  // 0: old, 1: h16 cp.async, 2: h16 cp.async 4/row, 3: h
     if (e != nullptr && std::strcmp(e, "old") == 0) return 0;
     if (e != nullptr && std::strcmp(e, "cpasync") == 0) return 1;
     if (e != nullptr && std::strcmp(e, "bulk") == 0) return 3;
-    return 2;
+    if (e != nullptr && std::strcmp(e, "cp4") == 0) return 2;
+    return 4;
   }();
   return v;
 }
 bool fp8_h16_regk() { return fp8_h16_variant() != 0; }
 
-template <int kCopy>
+template <int kCopy, bool kDefer>
 void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = H16Smem<kCopy == 2 ? 3 : 2>::kAlloc;
-  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel<kCopy>,
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel<kCopy, kDefer>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  sparse_mla_fp8_h16_kernel<kCopy><<<grid, 256, bytes, stream>>>(a);
+  sparse_mla_fp8_h16_kernel<kCopy, kDefer><<<grid, 256, bytes, stream>>>(a);
 }
 
 template <int R, bool kFp8>
 void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   if constexpr (R == 1 && kFp8) {
     const int v = fp8_h16_variant();
-    if (v == 1) return launch_h16<0>(a, grid, stream);
-    if (v == 2) return launch_h16<1>(a, grid, stream);
-    if (v == 3) return launch_h16<2>(a, grid, stream);
+    if (v == 1) return launch_h16<0, false>(a, grid, stream);
+    if (v == 2) return launch_h16<1, false>(a, grid, stream);
+    if (v == 3) return launch_h16<2, false>(a, grid, stream);
+    if (v == 4) return launch_h16<1, true>(a, grid, stream);
   }
   constexpr int bytes = Smem<R, kFp8>::kAlloc;
   static_assert(bytes * Smem<R, kFp8>::kCtasPerSm <= 227 * 1024, "shared memory budget");
