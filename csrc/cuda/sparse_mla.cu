@@ -1041,23 +1041,26 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
 //   P V: the same K registers, transposed 8 x 8 at a time by movmatrix, are the B operand (k =
 //     entries, n = dims); n-block p of the 8 holds dims 64 w + 16 (n / 2) + 2 p + n % 2, so lane
 //     (g, c) ends with O[g (+8)][64 w + 16 c ..+16]: contiguous, stored straight to global memory.
-// One CTA (8 warps) an SM: ~115 KB of shared memory and ~180 registers a thread.
-template <int kBufs>  // raw tile buffers: 2 (cp.async, one tile ahead) or 3 (bulk, two ahead)
+//     A tile's P V runs after the next tile's first barrier: three barriers a tile.
+// One CTA (8 warps) an SM: ~115 KB of shared memory and 224 registers a thread. H200, V4 decode
+// shapes (bench/results/h200/sparse_mla_NOTES.md, session 13): 1.35x the one-tile kernel at 128
+// tokens, 1.1x at 256, 0.98x at a 4096-token prefill (the plan keeps that on the one-tile kernel,
+// kH16MaxWaves). Tried and slower: each row by one bulk (TMA-engine) copy two tiles ahead (-5%:
+// a warp issues its lanes' bulk copies one at a time); 36 threads a row for the cp.asyncs (-2%).
 struct H16Smem {
   static constexpr int kPartPitch = kTileN + 8;  // floats; 8 mod 32: float2 half-warps conflict-free
-  static constexpr int kRaw = 0;                                 // [kBufs][64][576] raw rows
-  static constexpr int kScale = kRaw + kBufs * kTileN * kFp8Row; // [kBufs][64][8] scale bytes
-  static constexpr int kPart = kScale + kBufs * kTileN * 8;      // [8 warps][16][kPartPitch] f32
+  static constexpr int kRaw = 0;                                 // [2][64][576] raw rows
+  static constexpr int kScale = kRaw + 2 * kTileN * kFp8Row;     // [2][64][8] scale bytes
+  static constexpr int kPart = kScale + 2 * kTileN * 8;          // [8 warps][16][kPartPitch] f32
   static constexpr int kP = kPart + 8 * 16 * kPartPitch * 4;     // [16][64] bf16, swizzled
   static constexpr int kMax = kP + 16 * kTileN * 2;              // [8 warps][16] f32
   static constexpr int kRefs = kMax + 8 * 16 * 4;                // [2][64] RowRef
   static constexpr int kValid = kRefs + 2 * kTileN * 16;         // [3][64] int
-  static constexpr int kBar = kValid + 3 * kTileN * 4;           // [kBufs] mbarriers
-  static constexpr int kBytes = kBar + kBufs * 8;
+  static constexpr int kBytes = kValid + 3 * kTileN * 4;
   static constexpr int kAlloc = kBytes + 1024;
   static_assert(kAlloc <= 227 * 1024, "shared memory budget");
   static_assert(kRaw % 16 == 0 && kScale % 16 == 0 && kPart % 16 == 0 && kP % 16 == 0 &&
-                    kRefs % 16 == 0 && kBar % 8 == 0,
+                    kRefs % 16 == 0,
                 "16-byte aligned regions");
 };
 
@@ -1074,31 +1077,11 @@ __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool va
 }
 
 // The cp.asyncs of one raw tile (rows and scale bytes of the 64 entries published in `refs`),
-// thread tid of 256: chunk tid % 36 of rows tid / 36 + 7 r.., and the scale bytes of entry tid.
+// four threads a row: thread tid takes chunks tid % 4 + 4 k of row tid / 4, so it reads its row
+// reference once and its nine copies differ by immediates (36 threads a row, a chunk each: ~5x
+// the issue, 2% slower). Skipped entries are zero-filled from `dummy` (any valid address).
 __device__ __forceinline__ void load_tile_fp8_raw(const RowRef* refs, const void* dummy,
                                                   uint8_t* raw, uint8_t* scales, int tid) {
-  constexpr int kRowsAtOnce = 256 / kFp8Chunks;  // 7 rows a pass (252 threads)
-  const int c = tid % kFp8Chunks, r0 = tid / kFp8Chunks;
-  if (r0 < kRowsAtOnce) {
-#pragma unroll
-    for (int e = r0; e < kTileN; e += kRowsAtOnce) {
-      const RowRef ref = refs[e];
-      const bool valid = ref.row != nullptr;
-      cp_async16(smem_u32(raw + e * kFp8Row + c * 16),
-                 (valid ? ref.row : static_cast<const uint8_t*>(dummy)) + c * 16, valid);
-    }
-  }
-  if (tid < kTileN) {
-    const RowRef ref = refs[tid];
-    const bool valid = ref.row != nullptr;
-    cp_async8(smem_u32(scales + tid * 8), valid ? ref.scale : dummy, valid);
-  }
-}
-
-// The same tile's copies with four threads a row: thread tid takes chunks tid % 4 + 4 k of row
-// tid / 4, so its row reference is read once and its nine copies differ by immediates.
-__device__ __forceinline__ void load_tile_fp8_raw4(const RowRef* refs, const void* dummy,
-                                                   uint8_t* raw, uint8_t* scales, int tid) {
   const int e = tid >> 2, q = tid & 3;
   const RowRef ref = refs[e];
   const bool valid = ref.row != nullptr;
@@ -1111,13 +1094,8 @@ __device__ __forceinline__ void load_tile_fp8_raw4(const RowRef* refs, const voi
   for (int k = 0; k < kFp8Chunks / 4; ++k) cp_async16(dst + 64 * k, src + 64 * k, valid);
 }
 
-// kCopy: 0 cp.async (load_tile_fp8_raw), 1 cp.async four threads a row, 2 bulk copies (WIP A/B)
-// kDefer: tile it's P V runs after the next tile's first barrier (three barriers a tile, not four).
-template <int kCopy, bool kDefer>
 __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const KernelArgs a) {
-  constexpr bool kBulk = kCopy == 2;
-  constexpr int kBufs = kBulk ? 3 : 2;
-  using S = H16Smem<kBufs>;
+  using S = H16Smem;
   constexpr int P = S::kPartPitch;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
@@ -1128,7 +1106,6 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   float* sMax = reinterpret_cast<float*>(smem + S::kMax);
   RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
   int* sValid = reinterpret_cast<int*>(smem + S::kValid);
-  uint64_t* sBar = reinterpret_cast<uint64_t*>(smem + S::kBar);
 
   const WorkItem w = work_item<1>(a);
   const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, warp, g, c] = w;
@@ -1138,14 +1115,11 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   // Row references: threads 0..63 own one list entry each; a tile's slots are fetched two
   // iterations before its copies and resolved (and its rows prefetched into L2) one iteration
   // before, into sRefs[tile % 2] and sValid[tile % 3] (as in the bf16 kernel).
-  // Entry `me` of each tile is fetched (and, bulk: copied) by its owner thread: threads 0..63, or
-  // for bulk copies lanes 0..7 of every warp (a warp issues its lanes' copies one at a time).
-  const bool owner = kBulk ? (lane < 8) : (threadIdx.x < kTileN);
-  const int me = kBulk ? 8 * warp + lane : threadIdx.x;
+  const bool owner = threadIdx.x < kTileN;
   auto publish = [&](int32_t slot, int which, int tile) {
     const RowRef ref = resolve<true>(a, slot, which);
-    sRefs[(tile & 1) * kTileN + me] = ref;
-    sValid[(tile % 3) * kTileN + me] = slot >= 0;
+    sRefs[(tile & 1) * kTileN + threadIdx.x] = ref;
+    sValid[(tile % 3) * kTileN + threadIdx.x] = slot >= 0;
     if (ref.row != nullptr) {
 #pragma unroll
       for (int off = 0; off < kFp8Row; off += 128)
@@ -1153,50 +1127,10 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.scale));
     }
   };
-  // Bulk variant: thread e < 64 copies entry e of every tile itself, two tiles ahead, into raw
-  // buffer tile % 3: the row by one bulk copy (a skipped entry's row zeroed by hand), its scale
-  // bytes by cp.async; buffer b's mbarrier completes once all 64 rows' bytes have landed and all
-  // 64 threads' cp.asyncs have (2 x 64 arrivals).
-  auto issue = [&](int tile, int32_t slot, int which) {
-    const int b = tile % kBufs;
-    const RowRef ref = resolve<true>(a, slot, which);
-    const uint32_t bar = smem_u32(sBar + b);
-    uint8_t* dst = sRaw + (b * kTileN + me) * kFp8Row;
-    sValid[(tile % 3) * kTileN + me] = slot >= 0;
-    const bool valid = ref.row != nullptr;
-    mbar_arrive_expect_tx(bar, valid ? kFp8Row : 0);
-    if (valid) {
-      bulk_copy_g2s(smem_u32(dst), ref.row, kFp8Row, bar);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kFp8Chunks; ++k)
-        reinterpret_cast<uint4*>(dst)[k] = make_uint4(0, 0, 0, 0);
-      fence_proxy_async_smem();  // before a later bulk copy into this row
-    }
-    cp_async8(smem_u32(sScale + (b * kTileN + me) * 8), valid ? static_cast<const void*>(ref.scale) : a.q, valid);
-    mbar_arrive_cp_async(bar);
-  };
-  auto load_raw = [](const RowRef* refs, const void* dummy, uint8_t* raw, uint8_t* scales,
-                     int tid) {
-    if constexpr (kCopy == 1) load_tile_fp8_raw4(refs, dummy, raw, scales, tid);
-    else load_tile_fp8_raw(refs, dummy, raw, scales, tid);
-  };
   int32_t pf_slot = -1;
   int pf_which = 0;
-  int32_t slot0 = -1;
-  int which0 = 0;
-  if constexpr (kBulk) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int b = 0; b < kBufs; ++b) mbar_init(smem_u32(sBar + b), 2 * kTileN);
-      mbar_init_fence();
-    }
-    if (owner) {
-      fetch_slot(a, t, tile_begin, tile_end, me, slot0, which0);
-      fetch_slot(a, t, tile_begin + 1, tile_end, me, pf_slot, pf_which);
-    }
-  } else if (owner) {
-    fetch_slot(a, t, tile_begin, tile_end, me, pf_slot, pf_which);
+  if (owner) {
+    fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
     publish(pf_slot, pf_which, 0);
   }
 
@@ -1227,22 +1161,13 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     }
   }
 
-  if constexpr (kBulk) {
-    __syncthreads();  // the mbarriers initialised
-    if (owner) {
-      if (n > 0) issue(0, slot0, which0);
-      if (n > 1) issue(1, pf_slot, pf_which);
-      fetch_slot(a, t, tile_begin + 2, tile_end, me, pf_slot, pf_which);
-    }
-  } else {
-    __syncthreads();  // tile 0's references
-    if (n > 0) load_raw(sRefs, a.q, sRaw, sScale, threadIdx.x);
-    cp_async_commit();
-    if (owner) {
-      fetch_slot(a, t, tile_begin + 1, tile_end, me, pf_slot, pf_which);
-      publish(pf_slot, pf_which, 1);
-      fetch_slot(a, t, tile_begin + 2, tile_end, me, pf_slot, pf_which);
-    }
+  __syncthreads();  // tile 0's references
+  if (n > 0) load_tile_fp8_raw(sRefs, a.q, sRaw, sScale, threadIdx.x);
+  cp_async_commit();
+  if (owner) {
+    fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+    publish(pf_slot, pf_which, 1);
+    fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
   }
 
   float acc[8][4];
@@ -1271,35 +1196,26 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   };
 
   for (int it = 0; it < n; ++it) {
-    if constexpr (kBulk) {
-      mbar_wait(smem_u32(sBar + it % kBufs), (it / kBufs) & 1);
-      __syncthreads();  // every warp done with iteration it-1 (raw buffer (it+2) % 3, sP, sMax)
-      if (owner) {
-        if (it + 2 < n) issue(it + 2, pf_slot, pf_which);
-        fetch_slot(a, t, tile_begin + it + 3, tile_end, me, pf_slot, pf_which);
-      }
-    } else {
-      cp_async_wait<0>();
-      __syncthreads();  // tile it landed (everyone's copies), tile it+1's references published,
-                        // every warp done with iteration it-1 (raw buffer (it+1) % 2, sP, sMax)
-      if (it + 1 < n)
-        load_raw(sRefs + ((it + 1) & 1) * kTileN, a.q,
-                          sRaw + ((it + 1) & 1) * kTileN * kFp8Row,
-                          sScale + ((it + 1) & 1) * kTileN * 8, threadIdx.x);
-      cp_async_commit();
-      if (owner) {  // into tile it's reference buffer: its copies were issued before the barrier
-        publish(pf_slot, pf_which, it + 2);
-        fetch_slot(a, t, tile_begin + it + 3, tile_end, me, pf_slot, pf_which);
-      }
+    cp_async_wait<0>();
+    __syncthreads();  // tile it landed (everyone's copies), tile it+1's references published,
+                      // every warp done with iteration it-1 up to its P (raw buffer (it+1) % 2,
+                      // sPart, sMax)
+    if (it + 1 < n)
+      load_tile_fp8_raw(sRefs + ((it + 1) & 1) * kTileN, a.q,
+                        sRaw + ((it + 1) & 1) * kTileN * kFp8Row,
+                        sScale + ((it + 1) & 1) * kTileN * 8, threadIdx.x);
+    cp_async_commit();
+    if (owner) {  // into tile it's reference buffer: its copies were issued before the barrier
+      publish(pf_slot, pf_which, it + 2);
+      fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
     }
-
-    if constexpr (kDefer) {
-      if (it > 0) pv_step();  // tile it-1's: its P was complete at the barrier above
-    }
+    // Tile it-1's P V here rather than behind a fourth barrier: its P was complete at the one
+    // above, and each warp finishes reading sP before the next barrier, ahead of P's rewrite.
+    if (it > 0) pv_step();
 
     // ---- this lane's K: entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs ----
-    const uint8_t* raw = sRaw + (it % kBufs) * kTileN * kFp8Row;
-    const uint8_t* scl = sScale + (it % kBufs) * kTileN * 8;
+    const uint8_t* raw = sRaw + (it & 1) * kTileN * kFp8Row;
+    const uint8_t* scl = sScale + (it & 1) * kTileN * 8;
     if (warp < 7) {
       uint4 x[8];
       uint32_t b[8];
@@ -1440,16 +1356,10 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
         acc[p][3] *= alpha[1];
       }
     }
-    if constexpr (!kDefer) {
-      __syncthreads();  // P complete
-      pv_step();
-    }
   }
-  if constexpr (kDefer) {
-    if (n > 0) {
-      __syncthreads();  // the last P complete
-      pv_step();
-    }
+  if (n > 0) {
+    __syncthreads();  // the last tile's P complete
+    pv_step();
   }
 
   // ---- the row sums over the 8 warps, then O (rows g, g + 8; dims 64 warp + 16 c ..+16) ----
@@ -1548,39 +1458,20 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
   return num_heads > 32 ? 4 : (num_heads > 16 ? 2 : 1);
 }
 
-// 16 heads over the FP8 cache run sparse_mla_fp8_h16_kernel (one CTA an SM); the environment
-// variable ZEROINFER_MLA_H16 = old selects the one-tile kernel (two CTAs an SM), = cpasync the
-// h16 kernel with cp.async copies instead of bulk copies, for A/B measurements (WIP).
-int fp8_h16_variant() {  // 0: old, 1: h16 cp.async, 2: h16 cp.async 4/row, 3: h16 bulk
-  static const int v = [] {
-    const char* e = std::getenv("ZEROINFER_MLA_H16");
-    if (e != nullptr && std::strcmp(e, "old") == 0) return 0;
-    if (e != nullptr && std::strcmp(e, "cpasync") == 0) return 1;
-    if (e != nullptr && std::strcmp(e, "bulk") == 0) return 3;
-    if (e != nullptr && std::strcmp(e, "cp4") == 0) return 2;
-    return 4;
-  }();
-  return v;
-}
-bool fp8_h16_regk() { return fp8_h16_variant() != 0; }
+// Grids of up to this many waves (of one CTA an SM) of 16-head FP8 work items run
+// sparse_mla_fp8_h16_kernel; bigger ones (prefill) the one-tile kernel at two CTAs an SM
+// (H200: the 16-head kernel 1.35x at 128 tokens, 1.11x at 256; 0.98x at 4096).
+constexpr int64_t kH16MaxWaves = 4;
 
-template <int kCopy, bool kDefer>
 void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = H16Smem<kCopy == 2 ? 3 : 2>::kAlloc;
-  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel<kCopy, kDefer>,
+  constexpr int bytes = H16Smem::kAlloc;
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  sparse_mla_fp8_h16_kernel<kCopy, kDefer><<<grid, 256, bytes, stream>>>(a);
+  sparse_mla_fp8_h16_kernel<<<grid, 256, bytes, stream>>>(a);
 }
 
 template <int R, bool kFp8>
 void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  if constexpr (R == 1 && kFp8) {
-    const int v = fp8_h16_variant();
-    if (v == 1) return launch_h16<0, false>(a, grid, stream);
-    if (v == 2) return launch_h16<1, false>(a, grid, stream);
-    if (v == 3) return launch_h16<2, false>(a, grid, stream);
-    if (v == 4) return launch_h16<1, true>(a, grid, stream);
-  }
   constexpr int bytes = Smem<R, kFp8>::kAlloc;
   static_assert(bytes * Smem<R, kFp8>::kCtasPerSm <= 227 * 1024, "shared memory budget");
   auto* kernel = kFp8 ? sparse_mla_fp8_kernel<R> : sparse_mla_bf16_kernel<R>;
@@ -1600,16 +1491,17 @@ CacheView view_of(const SparseMlaCache& c) {
 }  // namespace
 
 SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, int64_t total_topk,
-                                       int64_t num_sms, bool fp8) {
+                                       int64_t num_sms, bool fp8, int h16) {
   SparseMlaCudaPlan plan;
   const int R = rows_per_cta(num_heads);
   const int64_t heads_per_cta = 16 * R;
   const int64_t items = num_tokens * ((num_heads + heads_per_cta - 1) / heads_per_cta);
   const int64_t ntiles = (total_topk + kTileN - 1) / kTileN;
+  plan.h16 = fp8 && R == 1 && (h16 >= 0 ? h16 != 0 : items <= kH16MaxWaves * num_sms);
   // CTAs that fit on an SM at once (shared memory); split the list only while the grid is
   // under one wave of them.
   const int64_t slots =
-      num_sms * ((fp8 && R == 1 && !fp8_h16_regk()) ? Smem<1, true>::kCtasPerSm : 1);
+      num_sms * ((fp8 && R == 1 && !plan.h16) ? Smem<1, true>::kCtasPerSm : 1);
   int64_t splits = 1;
   if (items > 0 && items < slots && ntiles > 1)
     splits = std::min<int64_t>(ntiles, std::max<int64_t>(1, slots / items));
@@ -1666,13 +1558,16 @@ void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan
   }
 
   const int R = rows_per_cta(p.num_heads);
+  ZI_CHECK(!plan.h16 || (fp8 && R == 1),
+           "sparse_mla_attention_cuda: plan.h16 needs at most 16 heads over the FP8 cache");
   const int64_t heads_per_cta = 16 * R;
   dim3 grid(static_cast<unsigned>(p.num_tokens),
             static_cast<unsigned>((p.num_heads + heads_per_cta - 1) / heads_per_cta),
             static_cast<unsigned>(plan.num_splits));
   auto s = static_cast<cudaStream_t>(stream);
   if (fp8) {
-    if (R == 1) launch<1, true>(a, grid, s);
+    if (plan.h16) launch_h16(a, grid, s);
+    else if (R == 1) launch<1, true>(a, grid, s);
     else if (R == 2) launch<2, true>(a, grid, s);
     else launch<4, true>(a, grid, s);
   } else {
