@@ -132,7 +132,7 @@ def test_plan_splits_only_small_grids():
     sms = 132
     assert _C.sparse_mla_cuda_plan(1, 64, 640, sms)[0] == 10       # one token: one tile a CTA
     assert _C.sparse_mla_cuda_plan(256, 64, 640, sms)[0] == 1      # a full wave: no split
-    splits, per, ws = _C.sparse_mla_cuda_plan(64, 64, 640, sms)
+    splits, per, ws, _ = _C.sparse_mla_cuda_plan(64, 64, 640, sms)
     assert splits * per >= 10 and (splits - 1) * per < 10 and ws == splits * 64 * 64 * 514
     assert _C.sparse_mla_cuda_plan(4, 64, 0, sms)[0] == 1          # empty lists
     # Up to 16 heads over an FP8 cache: the 16-head kernel (one CTA an SM) for grids of up to four
