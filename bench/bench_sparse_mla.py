@@ -171,9 +171,11 @@ def main() -> None:
             t_mem = nbytes / ceilings["hbm_bytes_per_s"]
             t_mma = flops / ceilings["bf16_flops_per_s"]
             row["bound"] = "memory" if t_mem >= t_mma else "compute"
-            row["plan_splits"] = _C.sparse_mla_cuda_plan(
+            splits, _, _, h16 = _C.sparse_mla_cuda_plan(
                 T, H, K, torch.cuda.get_device_properties(0).multi_processor_count,
-                fp8=fmt == "fp8")[0]
+                fp8=fmt == "fp8")
+            row["plan_splits"] = splits
+            row["kernel"] = "fp8_h16" if h16 else f"{fmt}_tile"
         else:
             row["torch_threads"] = torch_threads
         row["gflops"] = row["tflops"] * 1e3

@@ -95,7 +95,7 @@ def main() -> None:
         by_plan: dict[int, list[tuple[int, float]]] = {}
         for length in LENGTHS:
             call = cut(kw, length)
-            splits, tiles_per_cta, _ = _C.sparse_mla_cuda_plan(batch, heads, length, sms,
+            splits, tiles_per_cta, _, _ = _C.sparse_mla_cuda_plan(batch, heads, length, sms,
                                                                 fp8=fmt == "fp8")
             out, lse = sparse_mla_attention(**call)
             t = bench.time_cuda_graph(

@@ -101,27 +101,31 @@ void register_sparse_mla(py::module_& m) {
 #ifdef ZEROINFER_WITH_CUDA
   def(m,
       "sparse_mla_cuda_plan",
-      [](int64_t num_tokens, int64_t num_heads, int64_t total_topk, int64_t num_sms, bool fp8) {
+      [](int64_t num_tokens, int64_t num_heads, int64_t total_topk, int64_t num_sms, bool fp8,
+         int h16) {
         const SparseMlaCudaPlan plan =
-            sparse_mla_cuda_plan(num_tokens, num_heads, total_topk, num_sms, fp8);
-        return py::make_tuple(plan.num_splits, plan.tiles_per_split, plan.workspace_floats);
+            sparse_mla_cuda_plan(num_tokens, num_heads, total_topk, num_sms, fp8, h16);
+        return py::make_tuple(plan.num_splits, plan.tiles_per_split, plan.workspace_floats,
+                              plan.h16);
       },
       py::arg("num_tokens"), py::arg("num_heads"), py::arg("total_topk"), py::arg("num_sms"),
-      py::arg("fp8") = false,
-      "(num_splits, tiles_per_split, workspace_floats) of the CUDA sparse MLA kernel");
+      py::arg("fp8") = false, py::arg("h16") = -1,
+      "(num_splits, tiles_per_split, workspace_floats, h16) of the CUDA sparse MLA kernel; h16: "
+      "-1 lets the plan choose the 16-head FP8 kernel, 0 / 1 force it off / on");
   def(m,
       "sparse_mla_attention_cuda",
       [](ZI_SPARSE_MLA_ARGS, int64_t num_splits, int64_t tiles_per_split, uintptr_t workspace,
-         uintptr_t stream) {
+         bool h16, uintptr_t stream) {
         const SparseMlaParams p = ZI_SPARSE_MLA_PARAMS;
         SparseMlaCudaPlan plan;
         plan.num_splits = num_splits;
         plan.tiles_per_split = tiles_per_split;
+        plan.h16 = h16;
         py::gil_scoped_release release;
         sparse_mla_attention_cuda(p, plan, as_ptr<float>(workspace), as_ptr<void>(stream));
       },
       ZI_SPARSE_MLA_KWARGS, py::arg("num_splits"), py::arg("tiles_per_split"),
-      py::arg("workspace"), py::arg("stream"),
+      py::arg("workspace"), py::arg("h16"), py::arg("stream"),
       "Sparse MLA attention on a CUDA stream (bf16 q; bf16 or FP8-layout cache); plan from "
       "sparse_mla_cuda_plan.");
 #endif

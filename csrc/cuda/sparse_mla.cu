@@ -37,6 +37,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "check.cuh"
 #include "ptx.cuh"
@@ -1020,6 +1022,393 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
   store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, a, w, sinks);
 }
 
+// ---- 16 heads over the FP8 cache: K in registers (sparse_mla_fp8_h16_kernel) -------------------
+// The one-row-group FP8 kernel above spends half its time in S = QK^T with its mmas waiting for
+// ldmatrix operands (Nsight Compute, session 12: 44% of the stall samples). Here no operand of
+// either product but P goes through shared memory: warp w owns dims 64 w ..+64 of the 512 (warps
+// 0..6: e4m3 dims with their one block scale, warp 7: the bf16 RoPE dims) for both products.
+//   Raw rows: the tile's 64 FP8 rows and scale bytes land in shared memory by cp.async (double
+//     buffer, one tile ahead); lane (g, c) of warp w takes entries 8 j + g (j = 0..7), dims
+//     64 w + 16 c ..+16: one 16-byte load an entry, dequantised into 8 bf16 pairs.
+//   S: the mma B operand (k = dims, n = entries) is exactly those pairs once the 16 dims of each
+//     k-step are ordered so that lane c's logical k {2c, 2c+1, 2c+8, 2c+9} of step kk are its
+//     physical dims 16 c + 4 kk + {0, 1, 2, 3}; Q's A fragments use the same order (held in
+//     registers for the whole work item). Each warp's S is a partial over its 64 dims; the
+//     partials meet in shared memory and warp w sums entries 8 w ..+8 over the 8 partials in a
+//     fixed order.
+//   Softmax: each warp masks, scales and takes the row maxima of its 8 entries; the tile maxima
+//     go through shared memory; P (bf16) of all 64 entries is written to shared memory.
+//   P V: the same K registers, transposed 8 x 8 at a time by movmatrix, are the B operand (k =
+//     entries, n = dims); n-block p of the 8 holds dims 64 w + 16 (n / 2) + 2 p + n % 2, so lane
+//     (g, c) ends with O[g (+8)][64 w + 16 c ..+16]: contiguous, stored straight to global memory.
+//     A tile's P V runs after the next tile's first barrier: three barriers a tile.
+// One CTA (8 warps) an SM: ~115 KB of shared memory and 224 registers a thread. H200, V4 decode
+// shapes (bench/results/h200/sparse_mla_NOTES.md, session 13): 1.35x the one-tile kernel at 128
+// tokens, 1.1x at 256, 0.98x at a 4096-token prefill (the plan keeps that on the one-tile kernel,
+// kH16MaxWaves). Tried and slower: each row by one bulk (TMA-engine) copy two tiles ahead (-5%:
+// a warp issues its lanes' bulk copies one at a time); 36 threads a row for the cp.asyncs (-2%).
+struct H16Smem {
+  static constexpr int kPartPitch = kTileN + 8;  // floats; 8 mod 32: float2 half-warps conflict-free
+  static constexpr int kRaw = 0;                                 // [2][64][576] raw rows
+  static constexpr int kScale = kRaw + 2 * kTileN * kFp8Row;     // [2][64][8] scale bytes
+  static constexpr int kPart = kScale + 2 * kTileN * 8;          // [8 warps][16][kPartPitch] f32
+  static constexpr int kP = kPart + 8 * 16 * kPartPitch * 4;     // [16][64] bf16, swizzled
+  static constexpr int kMax = kP + 16 * kTileN * 2;              // [8 warps][16] f32
+  static constexpr int kRefs = kMax + 8 * 16 * 4;                // [2][64] RowRef
+  static constexpr int kValid = kRefs + 2 * kTileN * 16;         // [3][64] int
+  static constexpr int kBytes = kValid + 3 * kTileN * 4;
+  static constexpr int kAlloc = kBytes + 1024;
+  static_assert(kAlloc <= 227 * 1024, "shared memory budget");
+  static_assert(kRaw % 16 == 0 && kScale % 16 == 0 && kPart % 16 == 0 && kP % 16 == 0 &&
+                    kRefs % 16 == 0,
+                "16-byte aligned regions");
+};
+
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 8 : 0)
+               : "memory");
+}
+
+// The cp.asyncs of one raw tile (rows and scale bytes of the 64 entries published in `refs`),
+// four threads a row: thread tid takes chunks tid % 4 + 4 k of row tid / 4, so it reads its row
+// reference once and its nine copies differ by immediates (36 threads a row, a chunk each: ~5x
+// the issue, 2% slower). Skipped entries are zero-filled from `dummy` (any valid address).
+__device__ __forceinline__ void load_tile_fp8_raw(const RowRef* refs, const void* dummy,
+                                                  uint8_t* raw, uint8_t* scales, int tid) {
+  const int e = tid >> 2, q = tid & 3;
+  const RowRef ref = refs[e];
+  const bool valid = ref.row != nullptr;
+  // (The scale copy first: an address register is still being read by an issued copy, so
+  // computing the scale's into it after the row copies waited for them.)
+  if (q == 0) cp_async8(smem_u32(scales + e * 8), valid ? ref.scale : dummy, valid);
+  const uint8_t* src = (valid ? ref.row : static_cast<const uint8_t*>(dummy)) + q * 16;
+  const uint32_t dst = smem_u32(raw + e * kFp8Row + q * 16);
+#pragma unroll
+  for (int k = 0; k < kFp8Chunks / 4; ++k) cp_async16(dst + 64 * k, src + 64 * k, valid);
+}
+
+__global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const KernelArgs a) {
+  using S = H16Smem;
+  constexpr int P = S::kPartPitch;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = aligned_smem(smem_raw);
+  uint8_t* sRaw = smem + S::kRaw;
+  uint8_t* sScale = smem + S::kScale;
+  float* sPart = reinterpret_cast<float*>(smem + S::kPart);
+  uint8_t* sP = smem + S::kP;
+  float* sMax = reinterpret_cast<float*>(smem + S::kMax);
+  RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
+  int* sValid = reinterpret_cast<int*>(smem + S::kValid);
+
+  const WorkItem w = work_item<1>(a);
+  const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, warp, g, c] = w;
+  float sinks[2];
+  load_sinks(a, w, sinks);
+
+  // Row references: threads 0..63 own one list entry each; a tile's slots are fetched two
+  // iterations before its copies and resolved (and its rows prefetched into L2) one iteration
+  // before, into sRefs[tile % 2] and sValid[tile % 3] (as in the bf16 kernel).
+  const bool owner = threadIdx.x < kTileN;
+  auto publish = [&](int32_t slot, int which, int tile) {
+    const RowRef ref = resolve<true>(a, slot, which);
+    sRefs[(tile & 1) * kTileN + threadIdx.x] = ref;
+    sValid[(tile % 3) * kTileN + threadIdx.x] = slot >= 0;
+    if (ref.row != nullptr) {
+#pragma unroll
+      for (int off = 0; off < kFp8Row; off += 128)
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.row + off));
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.scale));
+    }
+  };
+  int32_t pf_slot = -1;
+  int pf_which = 0;
+  if (owner) {
+    fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
+    publish(pf_slot, pf_which, 0);
+  }
+
+  // Q: this lane's A fragments (rows g, g + 8; dims 64 warp + 16 c ..+16 in k-step order).
+  uint32_t qa[4][4];
+  {
+    uint32_t pr[2][8];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int h = head0 + g + 8 * r;
+      uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+      if (h < a.num_heads) {
+        const __nv_bfloat16* src =
+            a.q + t * a.q_stride_token + static_cast<int64_t>(h) * a.q_stride_head + warp * 64 +
+            16 * c;
+        lo = *reinterpret_cast<const uint4*>(src);
+        hi = *reinterpret_cast<const uint4*>(src + 8);
+      }
+      pr[r][0] = lo.x; pr[r][1] = lo.y; pr[r][2] = lo.z; pr[r][3] = lo.w;
+      pr[r][4] = hi.x; pr[r][5] = hi.y; pr[r][6] = hi.z; pr[r][7] = hi.w;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      qa[kk][0] = pr[0][2 * kk];
+      qa[kk][1] = pr[1][2 * kk];
+      qa[kk][2] = pr[0][2 * kk + 1];
+      qa[kk][3] = pr[1][2 * kk + 1];
+    }
+  }
+
+  __syncthreads();  // tile 0's references
+  if (n > 0) load_tile_fp8_raw(sRefs, a.q, sRaw, sScale, threadIdx.x);
+  cp_async_commit();
+  if (owner) {
+    fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+    publish(pf_slot, pf_which, 1);
+    fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
+  }
+
+  float acc[8][4];
+#pragma unroll
+  for (int p = 0; p < 8; ++p) acc[p][0] = acc[p][1] = acc[p][2] = acc[p][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  const int prow = lane & 15, phi = lane >> 4;
+  uint32_t pa[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m)
+    pa[m] = smem_u32(sP) + prow * 128 + ((((2 * m) | phi) ^ (prow & 7)) << 4);
+
+  // This lane's K (entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs); after S, V.
+  uint32_t kr[8][8];
+  // O += P V over this warp's dims (P from shared memory, V in kr).
+  auto pv_step = [&]() {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      uint32_t a0, a1, a2, a3;
+      ldsm_x4(pa[ks], a0, a1, a2, a3);
+#pragma unroll
+      for (int p = 0; p < 8; ++p)
+        mma_bf16(acc[p], a0, a1, a2, a3, kr[2 * ks][p], kr[2 * ks + 1][p]);
+    }
+  };
+
+  for (int it = 0; it < n; ++it) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile it landed (everyone's copies), tile it+1's references published,
+                      // every warp done with iteration it-1 up to its P (raw buffer (it+1) % 2,
+                      // sPart, sMax)
+    if (it + 1 < n)
+      load_tile_fp8_raw(sRefs + ((it + 1) & 1) * kTileN, a.q,
+                        sRaw + ((it + 1) & 1) * kTileN * kFp8Row,
+                        sScale + ((it + 1) & 1) * kTileN * 8, threadIdx.x);
+    cp_async_commit();
+    if (owner) {  // into tile it's reference buffer: its copies were issued before the barrier
+      publish(pf_slot, pf_which, it + 2);
+      fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+    }
+    // Tile it-1's P V here rather than behind a fourth barrier: its P was complete at the one
+    // above, and each warp finishes reading sP before the next barrier, ahead of P's rewrite.
+    if (it > 0) pv_step();
+
+    // ---- this lane's K: entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs ----
+    const uint8_t* raw = sRaw + (it & 1) * kTileN * kFp8Row;
+    const uint8_t* scl = sScale + (it & 1) * kTileN * 8;
+    if (warp < 7) {
+      uint4 x[8];
+      uint32_t b[8];
+      bool fast = true;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int e = 8 * j + g;
+        x[j] = *reinterpret_cast<const uint4*>(raw + e * kFp8Row + warp * 64 + 16 * c);
+        b[j] = scl[e * 8 + warp];
+        fast = fast && b[j] <= 134u;
+      }
+      // (The exact slow route for the whole warp when any of its scales needs it: never for a
+      // real cache, whose scales are far below 2^7; the tests plant some.)
+      if (__all_sync(0xffffffffu, fast)) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          uint4 lo, hi;
+          dequant16_fast(x[j], b[j], lo, hi);
+          kr[j][0] = lo.x; kr[j][1] = lo.y; kr[j][2] = lo.z; kr[j][3] = lo.w;
+          kr[j][4] = hi.x; kr[j][5] = hi.y; kr[j][6] = hi.z; kr[j][7] = hi.w;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          uint4 lo, hi;
+          dequant16_slow(x[j], b[j], lo, hi);
+          kr[j][0] = lo.x; kr[j][1] = lo.y; kr[j][2] = lo.z; kr[j][3] = lo.w;
+          kr[j][4] = hi.x; kr[j][5] = hi.y; kr[j][6] = hi.z; kr[j][7] = hi.w;
+        }
+      }
+    } else {  // the RoPE dims, bf16 in the row's last 128 bytes
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* p = raw + (8 * j + g) * kFp8Row + 448 + 32 * c;
+        const uint4 lo = *reinterpret_cast<const uint4*>(p);
+        const uint4 hi = *reinterpret_cast<const uint4*>(p + 16);
+        kr[j][0] = lo.x; kr[j][1] = lo.y; kr[j][2] = lo.z; kr[j][3] = lo.w;
+        kr[j][4] = hi.x; kr[j][5] = hi.y; kr[j][6] = hi.z; kr[j][7] = hi.w;
+      }
+    }
+
+    // ---- S partial over this warp's dims -> shared memory ----
+    {
+      float sacc[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          mma_bf16(sacc[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], kr[j][2 * kk],
+                   kr[j][2 * kk + 1]);
+      }
+      float* part = sPart + warp * 16 * P;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * c;
+        *reinterpret_cast<float2*>(part + g * P + col) = make_float2(sacc[j][0], sacc[j][1]);
+        *reinterpret_cast<float2*>(part + (g + 8) * P + col) = make_float2(sacc[j][2], sacc[j][3]);
+      }
+    }
+    // K becomes V: each 8 x 8 block (entries 8 j.., this lane group's dims) transposed.
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int p = 0; p < 8; ++p) kr[j][p] = movmatrix_trans(kr[j][p]);
+    __syncthreads();  // every partial written
+
+    // ---- entries 8 warp ..+8: the summed scores, masked and scaled; their row maxima ----
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    const int col = 8 * warp + 2 * c;
+#pragma unroll
+    for (int w2 = 0; w2 < 8; ++w2) {  // fixed order
+      const float* pp = sPart + w2 * 16 * P;
+      const float2 lo = *reinterpret_cast<const float2*>(pp + g * P + col);
+      const float2 hi = *reinterpret_cast<const float2*>(pp + (g + 8) * P + col);
+      s[0] += lo.x;
+      s[1] += lo.y;
+      s[2] += hi.x;
+      s[3] += hi.y;
+    }
+    const int* valid = sValid + (it % 3) * kTileN;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const bool v = valid[col + x] != 0;
+      s[x] = v ? s[x] * a.scale_log2 : -INFINITY;
+      s[2 + x] = v ? s[2 + x] * a.scale_log2 : -INFINITY;
+      mx[0] = fmaxf(mx[0], s[x]);
+      mx[1] = fmaxf(mx[1], s[2 + x]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    if (c == 0) {
+      sMax[warp * 16 + g] = mx[0];
+      sMax[warp * 16 + g + 8] = mx[1];
+    }
+    __syncthreads();  // every block's maxima
+
+    // ---- the tile maxima (the same in every warp), lazy rescale, P -> shared memory ----
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int w2 = 0; w2 < 8; ++w2) m = fmaxf(m, sMax[w2 * 16 + g + 8 * r]);
+      mx[r] = m;
+    }
+    constexpr float kRescaleSlack = 8.f;  // as softmax_step
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      alpha[r] = 1.f;
+      if (mx[r] > m_run[r] + kRescaleSlack) {
+        alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2_approx(m_run[r] - mx[r]);
+        m_run[r] = mx[r];
+        l_run[r] *= alpha[r];
+      }
+    }
+    float pv[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int r = x >> 1;
+      pv[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s[x] - m_run[r]);
+      l_run[r] += pv[x];
+    }
+    *reinterpret_cast<uint32_t*>(sP + g * 128 + (((col >> 3) ^ (g & 7)) << 4) + (col & 7) * 2) =
+        pack_bf16(pv[0], pv[1]);
+    *reinterpret_cast<uint32_t*>(sP + (g + 8) * 128 + (((col >> 3) ^ ((g + 8) & 7)) << 4) +
+                                 (col & 7) * 2) = pack_bf16(pv[2], pv[3]);
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int p = 0; p < 8; ++p) {
+        acc[p][0] *= alpha[0];
+        acc[p][1] *= alpha[0];
+        acc[p][2] *= alpha[1];
+        acc[p][3] *= alpha[1];
+      }
+    }
+  }
+  if (n > 0) {
+    __syncthreads();  // the last tile's P complete
+    pv_step();
+  }
+
+  // ---- the row sums over the 8 warps, then O (rows g, g + 8; dims 64 warp + 16 c ..+16) ----
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  __syncthreads();  // every warp is past the loop: sMax is free
+  if (c == 0) {
+    sMax[warp * 16 + g] = l_run[0];
+    sMax[warp * 16 + g + 8] = l_run[1];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r, h = head0 + row;
+    float l = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < 8; ++w2) l += sMax[w2 * 16 + row];
+    const float m = m_run[r];
+    if (h >= a.num_heads) continue;
+    const int d0 = warp * 64 + 16 * c;
+    if (a.num_splits == 1) {
+      const float inv = output_scale(l, m, sinks[r]);
+      uint32_t o[8];
+#pragma unroll
+      for (int p = 0; p < 8; ++p) o[p] = pack_bf16(acc[p][2 * r] * inv, acc[p][2 * r + 1] * inv);
+      __nv_bfloat16* dst =
+          a.out + t * a.out_stride_token + static_cast<int64_t>(h) * a.out_stride_head + d0;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(dst + 8) = make_uint4(o[4], o[5], o[6], o[7]);
+      if (warp == 0 && c == 0)
+        a.lse[t * a.lse_stride_token + h] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+    } else {
+      const int64_t item = (static_cast<int64_t>(split) * a.num_tokens + t) * a.num_heads + h;
+      float* o = a.part_o + item * kDim + d0;
+#pragma unroll
+      for (int p = 0; p < 8; p += 2)
+        *reinterpret_cast<float4*>(o + 2 * p) =
+            make_float4(acc[p][2 * r], acc[p][2 * r + 1], acc[p + 1][2 * r], acc[p + 1][2 * r + 1]);
+      if (warp == 0 && c == 0) {
+        a.part_m[item] = m;
+        a.part_l[item] = l;
+      }
+    }
+  }
+}
+
 // Merge the split partials of one (token, head) per warp, in split order.
 __global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const KernelArgs a) {
   const int64_t t = blockIdx.x;
@@ -1069,6 +1458,18 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
   return num_heads > 32 ? 4 : (num_heads > 16 ? 2 : 1);
 }
 
+// Grids of up to this many waves (of one CTA an SM) of 16-head FP8 work items run
+// sparse_mla_fp8_h16_kernel; bigger ones (prefill) the one-tile kernel at two CTAs an SM
+// (H200: the 16-head kernel 1.35x at 128 tokens, 1.11x at 256; 0.98x at 4096).
+constexpr int64_t kH16MaxWaves = 4;
+
+void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  constexpr int bytes = H16Smem::kAlloc;
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  sparse_mla_fp8_h16_kernel<<<grid, 256, bytes, stream>>>(a);
+}
+
 template <int R, bool kFp8>
 void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = Smem<R, kFp8>::kAlloc;
@@ -1090,15 +1491,17 @@ CacheView view_of(const SparseMlaCache& c) {
 }  // namespace
 
 SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, int64_t total_topk,
-                                       int64_t num_sms, bool fp8) {
+                                       int64_t num_sms, bool fp8, int h16) {
   SparseMlaCudaPlan plan;
   const int R = rows_per_cta(num_heads);
   const int64_t heads_per_cta = 16 * R;
   const int64_t items = num_tokens * ((num_heads + heads_per_cta - 1) / heads_per_cta);
   const int64_t ntiles = (total_topk + kTileN - 1) / kTileN;
+  plan.h16 = fp8 && R == 1 && (h16 >= 0 ? h16 != 0 : items <= kH16MaxWaves * num_sms);
   // CTAs that fit on an SM at once (shared memory); split the list only while the grid is
   // under one wave of them.
-  const int64_t slots = num_sms * ((fp8 && R == 1) ? Smem<1, true>::kCtasPerSm : 1);
+  const int64_t slots =
+      num_sms * ((fp8 && R == 1 && !plan.h16) ? Smem<1, true>::kCtasPerSm : 1);
   int64_t splits = 1;
   if (items > 0 && items < slots && ntiles > 1)
     splits = std::min<int64_t>(ntiles, std::max<int64_t>(1, slots / items));
@@ -1155,13 +1558,16 @@ void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan
   }
 
   const int R = rows_per_cta(p.num_heads);
+  ZI_CHECK(!plan.h16 || (fp8 && R == 1),
+           "sparse_mla_attention_cuda: plan.h16 needs at most 16 heads over the FP8 cache");
   const int64_t heads_per_cta = 16 * R;
   dim3 grid(static_cast<unsigned>(p.num_tokens),
             static_cast<unsigned>((p.num_heads + heads_per_cta - 1) / heads_per_cta),
             static_cast<unsigned>(plan.num_splits));
   auto s = static_cast<cudaStream_t>(stream);
   if (fp8) {
-    if (R == 1) launch<1, true>(a, grid, s);
+    if (plan.h16) launch_h16(a, grid, s);
+    else if (R == 1) launch<1, true>(a, grid, s);
     else if (R == 2) launch<2, true>(a, grid, s);
     else launch<4, true>(a, grid, s);
   } else {

@@ -9,10 +9,13 @@ head, 2e-2 of the largest value elementwise) and the LSE, which never goes throu
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from zeroinfer import _C
+from zeroinfer.ops import sparse_mla as sparse_mla_module
 from zeroinfer.ops.sparse_mla import sparse_mla_attention
 from zeroinfer.reference.sparse_mla import sparse_mla_attention_ref
 
@@ -129,12 +132,38 @@ def test_plan_splits_only_small_grids():
     sms = 132
     assert _C.sparse_mla_cuda_plan(1, 64, 640, sms)[0] == 10       # one token: one tile a CTA
     assert _C.sparse_mla_cuda_plan(256, 64, 640, sms)[0] == 1      # a full wave: no split
-    splits, per, ws = _C.sparse_mla_cuda_plan(64, 64, 640, sms)
+    splits, per, ws, _ = _C.sparse_mla_cuda_plan(64, 64, 640, sms)
     assert splits * per >= 10 and (splits - 1) * per < 10 and ws == splits * 64 * 64 * 514
     assert _C.sparse_mla_cuda_plan(4, 64, 0, sms)[0] == 1          # empty lists
-    # 16 heads over an FP8 cache fit two CTAs on an SM: 128 tokens still split in two.
-    assert _C.sparse_mla_cuda_plan(128, 16, 640, sms)[0] == 1
-    assert _C.sparse_mla_cuda_plan(128, 16, 640, sms, fp8=True)[0] == 2
+    # Up to 16 heads over an FP8 cache: the 16-head kernel (one CTA an SM) for grids of up to four
+    # waves, the one-tile kernel (two CTAs an SM: 128 tokens still split in two) beyond.
+    plan = _C.sparse_mla_cuda_plan
+    assert plan(128, 16, 640, sms)[0] == 1 and not plan(128, 16, 640, sms)[3]
+    assert plan(128, 16, 640, sms, fp8=True)[::3] == (1, True)
+    assert plan(64, 16, 640, sms, fp8=True)[::3] == (2, True)
+    assert plan(128, 8, 640, sms, fp8=True)[3]
+    assert plan(4 * sms, 16, 640, sms, fp8=True)[3]
+    assert plan(4 * sms + 1, 16, 640, sms, fp8=True)[::3] == (1, False)
+    assert plan(128, 16, 640, sms, fp8=True, h16=0)[::3] == (2, False)
+    assert plan(4096, 16, 640, sms, fp8=True, h16=1)[3]
+    assert not plan(128, 32, 640, sms, fp8=True, h16=1)[3]  # 16 heads at most
+
+
+@pytest.mark.parametrize("h16", [0, 1])
+@pytest.mark.parametrize("H", [8, 16])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8raw"])
+@pytest.mark.parametrize("T,K,bs,extra,pattern", [
+    (1, 640, 64, None, "mixed"),        # split: 10 pieces of one tile
+    (3, 129, 16, (70, 16), "random"),   # extra cache, a partial last tile
+    (300, 200, 64, None, "sorted"),
+    (7, 100, 1, (5, 1), "none"),        # every entry skipped
+])
+def test_both_16_head_fp8_kernels(gen, monkeypatch, h16, H, fmt, T, K, bs, extra, pattern):
+    """The plan picks between two kernels for up to 16 heads over the FP8 cache by grid size;
+    both are held to the reference here on the same shapes (forced through the plan's h16)."""
+    monkeypatch.setattr(sparse_mla_module, "_launch_cuda",
+                        functools.partial(sparse_mla_module._launch_cuda, h16=h16))
+    run(gen, fmt=fmt, T=T, H=H, K=K, bs=bs, pattern=pattern, sink=True, extra=extra)
 
 
 def test_float32_query_uses_the_torch_path(gen):

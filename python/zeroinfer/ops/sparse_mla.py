@@ -159,19 +159,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _launch_cuda(q, kv_cache, kv_block_size, indices, softmax_scale, attn_sink, extra_kv_cache,
-                 extra_block_size, extra_indices, out, lse) -> None:
-    """The Hopper kernel (csrc/cuda/sparse_mla.cu). The split plan depends on shapes only, so
-    nothing here waits for the device."""
+                 extra_block_size, extra_indices, out, lse, h16: int = -1) -> None:
+    """The Hopper kernels (csrc/cuda/sparse_mla.cu). The split plan depends on shapes only, so
+    nothing here waits for the device. h16 (tests): -1 lets the plan choose the 16-head FP8
+    kernel, 0 / 1 force it off / on."""
     T, H, _ = q.shape
     total = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
-    num_splits, per_split, ws_floats = _C.sparse_mla_cuda_plan(
-        T, H, total, _num_sms(q.device), fp8=kv_cache.dtype == torch.uint8)
+    num_splits, per_split, ws_floats, use_h16 = _C.sparse_mla_cuda_plan(
+        T, H, total, _num_sms(q.device), fp8=kv_cache.dtype == torch.uint8, h16=h16)
     workspace = (torch.empty(ws_floats, dtype=torch.float32, device=q.device)
                  if ws_floats else None)
     _C.sparse_mla_attention_cuda(
         **_kernel_args(q, kv_cache, kv_block_size, indices, softmax_scale, attn_sink,
                        extra_kv_cache, extra_block_size, extra_indices, out, lse),
-        num_splits=num_splits, tiles_per_split=per_split, workspace=ptr(workspace),
+        num_splits=num_splits, tiles_per_split=per_split, workspace=ptr(workspace), h16=use_h16,
         stream=stream_of(q.device))
 
 
