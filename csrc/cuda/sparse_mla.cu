@@ -1053,8 +1053,9 @@ struct H16Smem {
   static constexpr int kScale = kRaw + 2 * kTileN * kFp8Row;     // [2][64][8] scale bytes
   static constexpr int kPart = kScale + 2 * kTileN * 8;          // [8 warps][16][kPartPitch] f32
   static constexpr int kP = kPart + 8 * 16 * kPartPitch * 4;     // [16][64] bf16, swizzled
-  static constexpr int kMax = kP + 16 * kTileN * 2;              // [8 warps][16] f32
-  static constexpr int kRefs = kMax + 8 * 16 * 4;                // [2][64] RowRef
+  static constexpr int kMax = kP + 16 * kTileN * 2;              // [2][8 warps][16] f32
+  static constexpr int kNeed = kMax + 2 * 8 * 16 * 4;            // [2][8 warps] int
+  static constexpr int kRefs = kNeed + 2 * 8 * 4;                // [2][64] RowRef
   static constexpr int kValid = kRefs + 2 * kTileN * 16;         // [3][64] int
   static constexpr int kBytes = kValid + 3 * kTileN * 4;
   static constexpr int kAlloc = kBytes + 1024;
@@ -1094,6 +1095,7 @@ __device__ __forceinline__ void load_tile_fp8_raw(const RowRef* refs, const void
   for (int k = 0; k < kFp8Chunks / 4; ++k) cp_async16(dst + 64 * k, src + 64 * k, valid);
 }
 
+template <bool kLazy>
 __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const KernelArgs a) {
   using S = H16Smem;
   constexpr int P = S::kPartPitch;
@@ -1104,6 +1106,7 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   float* sPart = reinterpret_cast<float*>(smem + S::kPart);
   uint8_t* sP = smem + S::kP;
   float* sMax = reinterpret_cast<float*>(smem + S::kMax);
+  int* sNeed = reinterpret_cast<int*>(smem + S::kNeed);
   RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
   int* sValid = reinterpret_cast<int*>(smem + S::kValid);
 
@@ -1195,6 +1198,59 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     }
   };
 
+  constexpr float kRescaleSlack = 8.f;  // as softmax_step
+  // Lazy maxima (kLazy): a tile's P is written against the running maxima m_run without waiting
+  // for the other warps' block maxima; a warp whose block passes m_run + slack flags the tile
+  // (sNeed). After the next barrier, a flagged tile is settled exactly as the eager path would
+  // have done it (the tile maxima from sMax, m_run moved, the lane's P rewritten from its kept
+  // scores, l_run and O rescaled) behind one more barrier: the same arithmetic, so the same
+  // bits; unflagged tiles (every tile once the maxima have settled) skip a barrier.
+  float s_keep[4] = {0.f, 0.f, 0.f, 0.f};
+  float l_prev[2] = {0.f, 0.f};
+  auto write_p = [&](const float (&pv)[4], int col) {
+    *reinterpret_cast<uint32_t*>(sP + g * 128 + (((col >> 3) ^ (g & 7)) << 4) + (col & 7) * 2) =
+        pack_bf16(pv[0], pv[1]);
+    *reinterpret_cast<uint32_t*>(sP + (g + 8) * 128 + (((col >> 3) ^ ((g + 8) & 7)) << 4) +
+                                 (col & 7) * 2) = pack_bf16(pv[2], pv[3]);
+  };
+  auto settle = [&](int buf) {  // after a barrier; block-uniform
+    const int4 f0 = *reinterpret_cast<const int4*>(sNeed + buf * 8);
+    const int4 f1 = *reinterpret_cast<const int4*>(sNeed + buf * 8 + 4);
+    if ((f0.x | f0.y | f0.z | f0.w | f1.x | f1.y | f1.z | f1.w) == 0) return;
+    const float* mxs = sMax + buf * 128;
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int w2 = 0; w2 < 8; ++w2) m = fmaxf(m, mxs[w2 * 16 + g + 8 * r]);
+      alpha[r] = 1.f;
+      if (m > m_run[r] + kRescaleSlack) {
+        alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2_approx(m_run[r] - m);
+        m_run[r] = m;
+      }
+      l_run[r] = l_prev[r] * alpha[r];
+    }
+    float pv[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int r = x >> 1;
+      pv[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s_keep[x] - m_run[r]);
+      l_run[r] += pv[x];
+    }
+    write_p(pv, 8 * warp + 2 * c);
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int p = 0; p < 8; ++p) {
+        acc[p][0] *= alpha[0];
+        acc[p][1] *= alpha[0];
+        acc[p][2] *= alpha[1];
+        acc[p][3] *= alpha[1];
+      }
+    }
+    __syncthreads();  // the tile's P rewritten
+  };
+
   for (int it = 0; it < n; ++it) {
     cp_async_wait<0>();
     __syncthreads();  // tile it landed (everyone's copies), tile it+1's references published,
@@ -1211,7 +1267,10 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     }
     // Tile it-1's P V here rather than behind a fourth barrier: its P was complete at the one
     // above, and each warp finishes reading sP before the next barrier, ahead of P's rewrite.
-    if (it > 0) pv_step();
+    if (it > 0) {
+      if constexpr (kLazy) settle((it - 1) & 1);
+      pv_step();
+    }
 
     // ---- this lane's K: entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs ----
     const uint8_t* raw = sRaw + (it & 1) * kTileN * kFp8Row;
@@ -1311,9 +1370,28 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     }
+    float* mxs = sMax + (kLazy ? (it & 1) * 128 : 0);
     if (c == 0) {
-      sMax[warp * 16 + g] = mx[0];
-      sMax[warp * 16 + g + 8] = mx[1];
+      mxs[warp * 16 + g] = mx[0];
+      mxs[warp * 16 + g + 8] = mx[1];
+    }
+    if constexpr (kLazy) {
+      const bool need = mx[0] > m_run[0] + kRescaleSlack || mx[1] > m_run[1] + kRescaleSlack;
+      const bool any = __any_sync(0xffffffffu, need);
+      if (lane == 0) sNeed[(it & 1) * 8 + warp] = any;
+      float pv[4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int r = x >> 1;
+        s_keep[x] = s[x];
+        pv[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s[x] - m_run[r]);
+      }
+      l_prev[0] = l_run[0];
+      l_prev[1] = l_run[1];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) l_run[x >> 1] += pv[x];  // the eager path's order
+      write_p(pv, col);
+      continue;
     }
     __syncthreads();  // every block's maxima
 
@@ -1325,7 +1403,6 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       for (int w2 = 0; w2 < 8; ++w2) m = fmaxf(m, sMax[w2 * 16 + g + 8 * r]);
       mx[r] = m;
     }
-    constexpr float kRescaleSlack = 8.f;  // as softmax_step
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -1343,10 +1420,7 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       pv[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s[x] - m_run[r]);
       l_run[r] += pv[x];
     }
-    *reinterpret_cast<uint32_t*>(sP + g * 128 + (((col >> 3) ^ (g & 7)) << 4) + (col & 7) * 2) =
-        pack_bf16(pv[0], pv[1]);
-    *reinterpret_cast<uint32_t*>(sP + (g + 8) * 128 + (((col >> 3) ^ ((g + 8) & 7)) << 4) +
-                                 (col & 7) * 2) = pack_bf16(pv[2], pv[3]);
+    write_p(pv, col);
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int p = 0; p < 8; ++p) {
@@ -1359,6 +1433,7 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   }
   if (n > 0) {
     __syncthreads();  // the last tile's P complete
+    if constexpr (kLazy) settle((n - 1) & 1);
     pv_step();
   }
 
@@ -1463,11 +1538,21 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
 // (H200: the 16-head kernel 1.35x at 128 tokens, 1.11x at 256; 0.98x at 4096).
 constexpr int64_t kH16MaxWaves = 4;
 
-void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+template <bool kLazy>
+void launch_h16_(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = H16Smem::kAlloc;
-  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel,
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel<kLazy>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  sparse_mla_fp8_h16_kernel<<<grid, 256, bytes, stream>>>(a);
+  sparse_mla_fp8_h16_kernel<kLazy><<<grid, 256, bytes, stream>>>(a);
+}
+// WIP A/B: ZEROINFER_MLA_H16=eager selects the tile maxima exchanged every tile.
+void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  static const bool eager = [] {
+    const char* e = std::getenv("ZEROINFER_MLA_H16");
+    return e != nullptr && std::strcmp(e, "eager") == 0;
+  }();
+  if (eager) launch_h16_<false>(a, grid, stream);
+  else launch_h16_<true>(a, grid, stream);
 }
 
 template <int R, bool kFp8>
