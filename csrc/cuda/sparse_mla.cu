@@ -1036,15 +1036,16 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
 //     registers for the whole work item). Each warp's S is a partial over its 64 dims; the
 //     partials meet in shared memory and warp w sums entries 8 w ..+8 over the 8 partials in a
 //     fixed order.
-//   Softmax: each warp masks, scales and takes the row maxima of its 8 entries; the tile maxima
-//     go through shared memory; P (bf16) of all 64 entries is written to shared memory.
+//   Softmax: each warp masks and scales its 8 entries and writes their P (bf16) to shared memory
+//     against the running row maxima; only a tile whose block maxima pass them (the first, and
+//     rarely later ones) goes through the maxima exchange and a rewrite of P (`settle`).
 //   P V: the same K registers, transposed 8 x 8 at a time by movmatrix, are the B operand (k =
 //     entries, n = dims); n-block p of the 8 holds dims 64 w + 16 (n / 2) + 2 p + n % 2, so lane
 //     (g, c) ends with O[g (+8)][64 w + 16 c ..+16]: contiguous, stored straight to global memory.
-//     A tile's P V runs after the next tile's first barrier: three barriers a tile.
-// One CTA (8 warps) an SM: ~115 KB of shared memory and 224 registers a thread. H200, V4 decode
-// shapes (bench/results/h200/sparse_mla_NOTES.md, session 13): 1.35x the one-tile kernel at 128
-// tokens, 1.1x at 256, 0.98x at a 4096-token prefill (the plan keeps that on the one-tile kernel,
+//     A tile's P V runs after the next tile's first barrier: two block barriers a tile.
+// One CTA (8 warps) an SM: ~116 KB of shared memory and 229 registers a thread. H200, V4 decode
+// shapes (bench/results/h200/sparse_mla_NOTES.md, session 13): 1.38x the one-tile kernel at 128
+// tokens, 1.14x at 256, 0.98x at a 4096-token prefill (the plan keeps that on the one-tile kernel,
 // kH16MaxWaves). Tried and slower: each row by one bulk (TMA-engine) copy two tiles ahead (-5%:
 // a warp issues its lanes' bulk copies one at a time); 36 threads a row for the cp.asyncs (-2%).
 struct H16Smem {
@@ -1053,8 +1054,9 @@ struct H16Smem {
   static constexpr int kScale = kRaw + 2 * kTileN * kFp8Row;     // [2][64][8] scale bytes
   static constexpr int kPart = kScale + 2 * kTileN * 8;          // [8 warps][16][kPartPitch] f32
   static constexpr int kP = kPart + 8 * 16 * kPartPitch * 4;     // [16][64] bf16, swizzled
-  static constexpr int kMax = kP + 16 * kTileN * 2;              // [8 warps][16] f32
-  static constexpr int kRefs = kMax + 8 * 16 * 4;                // [2][64] RowRef
+  static constexpr int kMax = kP + 16 * kTileN * 2;              // [2][8 warps][16] f32
+  static constexpr int kNeed = kMax + 2 * 8 * 16 * 4;            // [2][8 warps] int
+  static constexpr int kRefs = kNeed + 2 * 8 * 4;                // [2][64] RowRef
   static constexpr int kValid = kRefs + 2 * kTileN * 16;         // [3][64] int
   static constexpr int kBytes = kValid + 3 * kTileN * 4;
   static constexpr int kAlloc = kBytes + 1024;
@@ -1104,6 +1106,7 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   float* sPart = reinterpret_cast<float*>(smem + S::kPart);
   uint8_t* sP = smem + S::kP;
   float* sMax = reinterpret_cast<float*>(smem + S::kMax);
+  int* sNeed = reinterpret_cast<int*>(smem + S::kNeed);
   RowRef* sRefs = reinterpret_cast<RowRef*>(smem + S::kRefs);
   int* sValid = reinterpret_cast<int*>(smem + S::kValid);
 
@@ -1195,6 +1198,60 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     }
   };
 
+  constexpr float kRescaleSlack = 8.f;  // as softmax_step
+  // Lazy tile maxima: a tile's P is written against the running maxima m_run without waiting for
+  // the other warps' block maxima; a warp whose block passes m_run + slack flags the tile
+  // (sNeed). After the next barrier a flagged tile is settled as an exchange of the maxima would
+  // have done it (the tile maxima from sMax, m_run moved, the lane's P rewritten from its kept
+  // scores, l_run and O rescaled) behind one more barrier: the same arithmetic, so the same bits
+  // as exchanging every tile, and unflagged tiles (all of them once the maxima have settled) need
+  // two block barriers, not three (+2.6-4%).
+  float s_keep[4] = {0.f, 0.f, 0.f, 0.f};
+  float l_prev[2] = {0.f, 0.f};
+  auto write_p = [&](const float (&pv)[4], int col) {
+    *reinterpret_cast<uint32_t*>(sP + g * 128 + (((col >> 3) ^ (g & 7)) << 4) + (col & 7) * 2) =
+        pack_bf16(pv[0], pv[1]);
+    *reinterpret_cast<uint32_t*>(sP + (g + 8) * 128 + (((col >> 3) ^ ((g + 8) & 7)) << 4) +
+                                 (col & 7) * 2) = pack_bf16(pv[2], pv[3]);
+  };
+  auto settle = [&](int buf) {  // after a barrier; block-uniform
+    const int4 f0 = *reinterpret_cast<const int4*>(sNeed + buf * 8);
+    const int4 f1 = *reinterpret_cast<const int4*>(sNeed + buf * 8 + 4);
+    if ((f0.x | f0.y | f0.z | f0.w | f1.x | f1.y | f1.z | f1.w) == 0) return;
+    const float* mxs = sMax + buf * 128;
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int w2 = 0; w2 < 8; ++w2) m = fmaxf(m, mxs[w2 * 16 + g + 8 * r]);
+      alpha[r] = 1.f;
+      if (m > m_run[r] + kRescaleSlack) {
+        alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2_approx(m_run[r] - m);
+        m_run[r] = m;
+      }
+      l_run[r] = l_prev[r] * alpha[r];
+    }
+    float pv[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int r = x >> 1;
+      pv[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s_keep[x] - m_run[r]);
+      l_run[r] += pv[x];
+    }
+    write_p(pv, 8 * warp + 2 * c);
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int p = 0; p < 8; ++p) {
+        acc[p][0] *= alpha[0];
+        acc[p][1] *= alpha[0];
+        acc[p][2] *= alpha[1];
+        acc[p][3] *= alpha[1];
+      }
+    }
+    __syncthreads();  // the tile's P rewritten
+  };
+
   for (int it = 0; it < n; ++it) {
     cp_async_wait<0>();
     __syncthreads();  // tile it landed (everyone's copies), tile it+1's references published,
@@ -1211,7 +1268,10 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     }
     // Tile it-1's P V here rather than behind a fourth barrier: its P was complete at the one
     // above, and each warp finishes reading sP before the next barrier, ahead of P's rewrite.
-    if (it > 0) pv_step();
+    if (it > 0) {
+      settle((it - 1) & 1);
+      pv_step();
+    }
 
     // ---- this lane's K: entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs ----
     const uint8_t* raw = sRaw + (it & 1) * kTileN * kFp8Row;
@@ -1311,54 +1371,30 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     }
+    float* mxs = sMax + (it & 1) * 128;
     if (c == 0) {
-      sMax[warp * 16 + g] = mx[0];
-      sMax[warp * 16 + g + 8] = mx[1];
+      mxs[warp * 16 + g] = mx[0];
+      mxs[warp * 16 + g + 8] = mx[1];
     }
-    __syncthreads();  // every block's maxima
-
-    // ---- the tile maxima (the same in every warp), lazy rescale, P -> shared memory ----
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float m = -INFINITY;
-#pragma unroll
-      for (int w2 = 0; w2 < 8; ++w2) m = fmaxf(m, sMax[w2 * 16 + g + 8 * r]);
-      mx[r] = m;
-    }
-    constexpr float kRescaleSlack = 8.f;  // as softmax_step
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      alpha[r] = 1.f;
-      if (mx[r] > m_run[r] + kRescaleSlack) {
-        alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2_approx(m_run[r] - mx[r]);
-        m_run[r] = mx[r];
-        l_run[r] *= alpha[r];
-      }
-    }
+    const bool need = mx[0] > m_run[0] + kRescaleSlack || mx[1] > m_run[1] + kRescaleSlack;
+    const bool any = __any_sync(0xffffffffu, need);
+    if (lane == 0) sNeed[(it & 1) * 8 + warp] = any;
     float pv[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       const int r = x >> 1;
+      s_keep[x] = s[x];
       pv[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s[x] - m_run[r]);
-      l_run[r] += pv[x];
     }
-    *reinterpret_cast<uint32_t*>(sP + g * 128 + (((col >> 3) ^ (g & 7)) << 4) + (col & 7) * 2) =
-        pack_bf16(pv[0], pv[1]);
-    *reinterpret_cast<uint32_t*>(sP + (g + 8) * 128 + (((col >> 3) ^ ((g + 8) & 7)) << 4) +
-                                 (col & 7) * 2) = pack_bf16(pv[2], pv[3]);
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+    l_prev[0] = l_run[0];
+    l_prev[1] = l_run[1];
 #pragma unroll
-      for (int p = 0; p < 8; ++p) {
-        acc[p][0] *= alpha[0];
-        acc[p][1] *= alpha[0];
-        acc[p][2] *= alpha[1];
-        acc[p][3] *= alpha[1];
-      }
-    }
+    for (int x = 0; x < 4; ++x) l_run[x >> 1] += pv[x];  // settle's order
+    write_p(pv, col);
   }
   if (n > 0) {
     __syncthreads();  // the last tile's P complete
+    settle((n - 1) & 1);
     pv_step();
   }
 
@@ -1460,7 +1496,7 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
 
 // Grids of up to this many waves (of one CTA an SM) of 16-head FP8 work items run
 // sparse_mla_fp8_h16_kernel; bigger ones (prefill) the one-tile kernel at two CTAs an SM
-// (H200: the 16-head kernel 1.35x at 128 tokens, 1.11x at 256; 0.98x at 4096).
+// (H200: the 16-head kernel 1.38x at 128 tokens, 1.14x at 256; 0.98x at 4096).
 constexpr int64_t kH16MaxWaves = 4;
 
 void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
