@@ -1067,6 +1067,12 @@ struct H16Smem {
                 "16-byte aligned regions");
 };
 
+// 16 bf16 values (two 16-byte chunks) as a lane's 8 packed pairs.
+__device__ __forceinline__ void put_pairs(uint32_t (&k)[8], const uint4& lo, const uint4& hi) {
+  k[0] = lo.x; k[1] = lo.y; k[2] = lo.z; k[3] = lo.w;
+  k[4] = hi.x; k[5] = hi.y; k[6] = hi.z; k[7] = hi.w;
+}
+
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
@@ -1319,31 +1325,28 @@ __global__ void __launch_bounds__(256, 64 / kE) sparse_mla_fp8_h16_kernel(const 
       }
       // (The exact slow route for the whole warp when any of its scales needs it: never for a
       // real cache, whose scales are far below 2^7; the tests plant some.)
+      // (Two loops, not one with the choice inside: ptxas schedules that one differently.)
       if (__all_sync(0xffffffffu, fast)) {
 #pragma unroll
         for (int j = 0; j < kJ; ++j) {
           uint4 lo, hi;
           dequant16_fast(x[j], b[j], lo, hi);
-          kr[j][0] = lo.x; kr[j][1] = lo.y; kr[j][2] = lo.z; kr[j][3] = lo.w;
-          kr[j][4] = hi.x; kr[j][5] = hi.y; kr[j][6] = hi.z; kr[j][7] = hi.w;
+          put_pairs(kr[j], lo, hi);
         }
       } else {
 #pragma unroll
         for (int j = 0; j < kJ; ++j) {
           uint4 lo, hi;
           dequant16_slow(x[j], b[j], lo, hi);
-          kr[j][0] = lo.x; kr[j][1] = lo.y; kr[j][2] = lo.z; kr[j][3] = lo.w;
-          kr[j][4] = hi.x; kr[j][5] = hi.y; kr[j][6] = hi.z; kr[j][7] = hi.w;
+          put_pairs(kr[j], lo, hi);
         }
       }
     } else {  // the RoPE dims, bf16 in the row's last 128 bytes
 #pragma unroll
       for (int j = 0; j < kJ; ++j) {
         const uint8_t* p = raw + (8 * j + g) * kFp8Row + 448 + 32 * c;
-        const uint4 lo = *reinterpret_cast<const uint4*>(p);
-        const uint4 hi = *reinterpret_cast<const uint4*>(p + 16);
-        kr[j][0] = lo.x; kr[j][1] = lo.y; kr[j][2] = lo.z; kr[j][3] = lo.w;
-        kr[j][4] = hi.x; kr[j][5] = hi.y; kr[j][6] = hi.z; kr[j][7] = hi.w;
+        put_pairs(kr[j], *reinterpret_cast<const uint4*>(p),
+                  *reinterpret_cast<const uint4*>(p + 16));
       }
     }
 
