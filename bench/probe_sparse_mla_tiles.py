@@ -96,7 +96,7 @@ def main() -> None:
         for length in LENGTHS:
             call = cut(kw, length)
             splits, tiles_per_cta, _, _ = _C.sparse_mla_cuda_plan(batch, heads, length, sms,
-                                                                fp8=fmt == "fp8")
+                                                                   fp8=fmt == "fp8")
             out, lse = sparse_mla_attention(**call)
             t = bench.time_cuda_graph(
                 lambda: sparse_mla_attention(**call, out=out, lse=lse)) * 1e6  # noqa: B023

@@ -37,8 +37,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "check.cuh"
 #include "ptx.cuh"
@@ -374,6 +372,58 @@ __device__ __forceinline__ void store_fp8_row(const Fp8Rows<kP>& r, uint8_t* til
     store_fp8_chunks<kP, false>(r, tile, e, q);
 }
 
+// ---- online-softmax pieces shared by the kernels ------------------------------------------
+// Lazy rescaling: the running max moves only when a tile's max exceeds it by more than
+// kRescaleSlack (base 2), so P <= 2^kRescaleSlack (bf16 holds it with full relative precision,
+// the sums are fp32). O and l always refer to the same max, so the result is unchanged, and
+// after the first tiles almost no tile pays for the 2 x OT x 2 multiplies of the O rescale.
+constexpr float kRescaleSlack = 8.f;
+
+// Rows g and g + 8: move the running maxima to the tile maxima `mx` where they pass them by more
+// than the slack, scale the running sums, and return the O rescale factors (1: unchanged).
+__device__ __forceinline__ void rescale_rows(const float (&mx)[2], float (&m_run)[2],
+                                             float (&l_run)[2], float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    alpha[r] = 1.f;
+    if (mx[r] > m_run[r] + kRescaleSlack) {  // false while both are -inf
+      alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2_approx(m_run[r] - mx[r]);
+      m_run[r] = mx[r];
+      l_run[r] *= alpha[r];
+    }
+  }
+}
+
+// P = exp2(s - m) of one score against its row's running max (0 while the row has none).
+__device__ __forceinline__ float prob(float s, float m) {
+  return m == -INFINITY ? 0.f : exp2_approx(s - m);
+}
+
+// Packed P pairs of rows `row` and `row + 8`, entries col, col + 1, into the P tile: rows of 128
+// bytes (8 chunks), swizzled by row & 7.
+__device__ __forceinline__ void store_p_pairs(uint8_t* sP, int row, int col, uint32_t lo,
+                                              uint32_t hi) {
+  *reinterpret_cast<uint32_t*>(sP + row * 128 + (((col >> 3) ^ (row & 7)) << 4) +
+                               (col & 7) * 2) = lo;
+  *reinterpret_cast<uint32_t*>(sP + (row + 8) * 128 + (((col >> 3) ^ ((row + 8) & 7)) << 4) +
+                               (col & 7) * 2) = hi;
+}
+
+// O rows g and g + 8 times their rescale factors, skipped (warp-uniformly) when both are 1:
+// once the running maxima settle, most tiles leave them unchanged.
+template <int OT>
+__device__ __forceinline__ void rescale_acc(float (&acc)[OT][4], const float (&alpha)[2]) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int j = 0; j < OT; ++j) {
+      acc[j][0] *= alpha[0];
+      acc[j][1] *= alpha[0];
+      acc[j][2] *= alpha[1];
+      acc[j][3] *= alpha[1];
+    }
+  }
+}
+
 // One tile's online-softmax step for a warp holding S rows rg*16 + g (+8) over entries n0..:
 // mask skipped entries, exchange row maxima with the other C-1 warps of the row group through
 // `red` ([16 R][C] floats, double-buffered by the caller), rescale the running max/sum, and
@@ -415,20 +465,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
       mx[r] = m;
     }
   }
-  // Lazy rescaling: the running max moves only when a tile's max exceeds it by more than
-  // kRescaleSlack (base 2), so P <= 2^kRescaleSlack (bf16 holds it with full relative precision,
-  // the sums are fp32). O and l always refer to the same max, so the result is unchanged, and
-  // after the first tiles almost no tile pays for the 2 x OT x 2 multiplies of the O rescale.
-  constexpr float kRescaleSlack = 8.f;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    alpha[r] = 1.f;
-    if (mx[r] > m_run[r] + kRescaleSlack) {  // false while both are -inf
-      alpha[r] = m_run[r] == -INFINITY ? 0.f : exp2_approx(m_run[r] - mx[r]);
-      m_run[r] = mx[r];
-      l_run[r] *= alpha[r];
-    }
-  }
+  rescale_rows(mx, m_run, l_run, alpha);
 
   // ---- P = exp2(s - m) -> shared memory (bf16) ---------------------------------------------
 #pragma unroll
@@ -437,17 +474,11 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const int* valid
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
       const int r = x >> 1;
-      p[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s[j][x] - m_run[r]);
+      p[x] = prob(s[j][x], m_run[r]);
       l_run[r] += p[x];
     }
     const int col = n0 + j * 8 + q4 * 2;  // entry within the tile
-    const int row = rg * 16 + g;
-    const uint32_t lo = pack_bf16(p[0], p[1]), hi = pack_bf16(p[2], p[3]);
-    // P rows are 128 bytes (8 chunks), swizzled by row & 7.
-    *reinterpret_cast<uint32_t*>(sP + row * 128 + (((col >> 3) ^ (row & 7)) << 4) +
-                                 (col & 7) * 2) = lo;
-    *reinterpret_cast<uint32_t*>(sP + (row + 8) * 128 + (((col >> 3) ^ ((row + 8) & 7)) << 4) +
-                                 (col & 7) * 2) = hi;
+    store_p_pairs(sP, rg * 16 + g, col, pack_bf16(p[0], p[1]), pack_bf16(p[2], p[3]));
   }
 }
 
@@ -775,16 +806,7 @@ __device__ __forceinline__ void softmax_and_rescale(float (&s)[Geom<R>::NT][4],
   float alpha[2];
   softmax_step<G::NT, G::C>(s, valid_flags, cg * G::kEntriesPerWarp, red, sP, rg, cg, g, q4,
                             scale_log2, m_run, l_run, alpha);
-  // Once the running maxima settle, most tiles leave them unchanged: skip the rescale then.
-  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-    for (int j = 0; j < G::OT; ++j) {
-      acc[j][0] *= alpha[0];
-      acc[j][1] *= alpha[0];
-      acc[j][2] *= alpha[1];
-      acc[j][3] *= alpha[1];
-    }
-  }
+  rescale_acc(acc, alpha);
   if constexpr (G::kWgmma) {
     wgmma::fence_proxy_async();  // P (ordinary stores) -> tensor-core reads
     __syncthreads();             // each warpgroup reads all 64 rows of P
@@ -1183,8 +1205,7 @@ __global__ void __launch_bounds__(256, 64 / kE) sparse_mla_fp8_h16_kernel(const 
         lo = *reinterpret_cast<const uint4*>(src);
         hi = *reinterpret_cast<const uint4*>(src + 8);
       }
-      pr[r][0] = lo.x; pr[r][1] = lo.y; pr[r][2] = lo.z; pr[r][3] = lo.w;
-      pr[r][4] = hi.x; pr[r][5] = hi.y; pr[r][6] = hi.z; pr[r][7] = hi.w;
+      put_pairs(pr[r], lo, hi);
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -1229,7 +1250,6 @@ __global__ void __launch_bounds__(256, 64 / kE) sparse_mla_fp8_h16_kernel(const 
     }
   };
 
-  constexpr float kRescaleSlack = 8.f;  // as softmax_step
   // Lazy tile maxima: a tile's P is written against the running maxima m_run without waiting for
   // the other warps' block maxima; a warp whose block passes m_run + slack flags the tile
   // (sNeed). After the next barrier a flagged tile is settled as an exchange of the maxima would
@@ -1258,7 +1278,7 @@ __global__ void __launch_bounds__(256, 64 / kE) sparse_mla_fp8_h16_kernel(const 
     const float* mxs = sMax + buf * 128;
     float alpha[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < 2; ++r) {  // rescale_rows' steps, the sum taken from before the tile
       float m = -INFINITY;
 #pragma unroll
       for (int w2 = 0; w2 < 8; ++w2) m = fmaxf(m, mxs[w2 * 16 + g + 8 * r]);
@@ -1272,20 +1292,11 @@ __global__ void __launch_bounds__(256, 64 / kE) sparse_mla_fp8_h16_kernel(const 
     float pv[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int r = x >> 1;
-      pv[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s_keep[x] - m_run[r]);
-      l_run[r] += pv[x];
+      pv[x] = prob(s_keep[x], m_run[x >> 1]);
+      l_run[x >> 1] += pv[x];
     }
     write_p(pv, 8 * blk + 2 * c);
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int p = 0; p < 8; ++p) {
-        acc[p][0] *= alpha[0];
-        acc[p][1] *= alpha[0];
-        acc[p][2] *= alpha[1];
-        acc[p][3] *= alpha[1];
-      }
-    }
+    rescale_acc(acc, alpha);
     __syncthreads();  // the tile's P rewritten
   };
 
@@ -1428,9 +1439,8 @@ __global__ void __launch_bounds__(256, 64 / kE) sparse_mla_fp8_h16_kernel(const 
     float pv[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const int r = x >> 1;
       s_keep[x] = s[x];
-      pv[x] = m_run[r] == -INFINITY ? 0.f : exp2_approx(s[x] - m_run[r]);
+      pv[x] = prob(s[x], m_run[x >> 1]);
     }
     l_prev[0] = l_run[0];
     l_prev[1] = l_run[1];
