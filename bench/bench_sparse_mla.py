@@ -175,7 +175,7 @@ def main() -> None:
                 T, H, K, torch.cuda.get_device_properties(0).multi_processor_count,
                 fp8=fmt == "fp8")
             row["plan_splits"] = splits
-            row["kernel"] = "fp8_h16" if h16 else f"{fmt}_tile"
+            row["kernel"] = f"fp8_h16_e{h16}" if h16 else f"{fmt}_tile"
         else:
             row["torch_threads"] = torch_threads
         row["gflops"] = row["tflops"] * 1e3

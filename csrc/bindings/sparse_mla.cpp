@@ -111,11 +111,12 @@ void register_sparse_mla(py::module_& m) {
       py::arg("num_tokens"), py::arg("num_heads"), py::arg("total_topk"), py::arg("num_sms"),
       py::arg("fp8") = false, py::arg("h16") = -1,
       "(num_splits, tiles_per_split, workspace_floats, h16) of the CUDA sparse MLA kernel; h16: "
-      "-1 lets the plan choose the 16-head FP8 kernel, 0 / 1 force it off / on");
+      "-1 lets the plan choose the 16-head FP8 kernel and its tile (32 or 64 entries; 0: not "
+      "used), 0 / 32 / 64 force the choice");
   def(m,
       "sparse_mla_attention_cuda",
       [](ZI_SPARSE_MLA_ARGS, int64_t num_splits, int64_t tiles_per_split, uintptr_t workspace,
-         bool h16, uintptr_t stream) {
+         int h16, uintptr_t stream) {
         const SparseMlaParams p = ZI_SPARSE_MLA_PARAMS;
         SparseMlaCudaPlan plan;
         plan.num_splits = num_splits;

@@ -1070,21 +1070,27 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
 // tokens, 1.14x at 256, 0.98x at a 4096-token prefill (the plan keeps that on the one-tile kernel,
 // kH16MaxWaves). Tried and slower: each row by one bulk (TMA-engine) copy two tiles ahead (-5%:
 // a warp issues its lanes' bulk copies one at a time); 36 threads a row for the cp.asyncs (-2%).
+// kE = 32 (session 14): the same kernel on 32-entry tiles (a lane holds K for 4 entries, warp w
+// sums entries 8 (w % 4) ..+8 of one row half), 128 registers and ~62 KB: two CTAs an SM, so one
+// CTA's barriers overlap the other's work. Per SM it does ~1.08x the 64-entry kernel's work, but
+// its tiles cost more a CTA: the plan runs it only for grids over one wave of the 64-entry one
+// (H200, 16 heads: 1.08x at 256 tokens and at 128 x 2; 0.84x at 128 split in two).
+template <int kE>  // entries a tile: 64 (one CTA an SM) or 32 (two)
 struct H16Smem {
-  static constexpr int kPartPitch = kTileN + 8;  // floats; 8 mod 32: float2 half-warps conflict-free
-  static constexpr int kRaw = 0;                                 // [2][64][576] raw rows
-  static constexpr int kScale = kRaw + 2 * kTileN * kFp8Row;     // [2][64][8] scale bytes
-  static constexpr int kPart = kScale + 2 * kTileN * 8;          // [8 warps][16][kPartPitch] f32
-  static constexpr int kP = kPart + 8 * 16 * kPartPitch * 4;     // [16][64] bf16, swizzled
-  static constexpr int kMax = kP + 16 * kTileN * 2;              // [2][8 warps][16] f32
+  static constexpr int kPartPitch = kE + 8;  // floats; 8 mod 32: float2 half-warps conflict-free
+  static constexpr int kRaw = 0;                                 // [2][kE][576] raw rows
+  static constexpr int kScale = kRaw + 2 * kE * kFp8Row;         // [2][kE][8] scale bytes
+  static constexpr int kPart = kScale + 2 * kE * 8;              // [8 warps][16][kPartPitch] f32
+  static constexpr int kP = kPart + 8 * 16 * kPartPitch * 4;     // [16][kE] bf16, swizzled
+  static constexpr int kMax = kP + 16 * kE * 2;                  // [2][8 warps][16] f32
   static constexpr int kNeed = kMax + 2 * 8 * 16 * 4;            // [2][8 warps] int
-  static constexpr int kRefs = kNeed + 2 * 8 * 4;                // [2][64] RowRef
-  static constexpr int kValid = kRefs + 2 * kTileN * 16;         // [3][64] int
-  static constexpr int kBytes = kValid + 3 * kTileN * 4;
+  static constexpr int kRefs = kNeed + 2 * 8 * 4;                // [2][kE] RowRef
+  static constexpr int kValid = kRefs + 2 * kE * 16;             // [3][kE] int
+  static constexpr int kBytes = kValid + 3 * kE * 4;
   static constexpr int kAlloc = kBytes + 1024;
-  static_assert(kAlloc <= 227 * 1024, "shared memory budget");
+  static_assert(kAlloc * (64 / kE) <= 227 * 1024, "shared memory budget");
   static_assert(kRaw % 16 == 0 && kScale % 16 == 0 && kPart % 16 == 0 && kP % 16 == 0 &&
-                    kRefs % 16 == 0,
+                    kRefs % 16 == 0 && kNeed % 16 == 0,
                 "16-byte aligned regions");
 };
 
@@ -1110,8 +1116,21 @@ __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool va
 // four threads a row: thread tid takes chunks tid % 4 + 4 k of row tid / 4, so it reads its row
 // reference once and its nine copies differ by immediates (36 threads a row, a chunk each: ~5x
 // the issue, 2% slower). Skipped entries are zero-filled from `dummy` (any valid address).
+template <int kE>
 __device__ __forceinline__ void load_tile_fp8_raw(const RowRef* refs, const void* dummy,
                                                   uint8_t* raw, uint8_t* scales, int tid) {
+  if constexpr (kE == 32) {  // eight threads a row: chunks q + 8 k, and 32 + q for q < 4
+    const int e = tid >> 3, q = tid & 7;
+    const RowRef ref = refs[e];
+    const bool valid = ref.row != nullptr;
+    if (q == 0) cp_async8(smem_u32(scales + e * 8), valid ? ref.scale : dummy, valid);
+    const uint8_t* src = (valid ? ref.row : static_cast<const uint8_t*>(dummy)) + q * 16;
+    const uint32_t dst = smem_u32(raw + e * kFp8Row + q * 16);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) cp_async16(dst + 128 * k, src + 128 * k, valid);
+    if (q < 4) cp_async16(dst + 512, src + 512, valid);
+    return;
+  }
   const int e = tid >> 2, q = tid & 3;
   const RowRef ref = refs[e];
   const bool valid = ref.row != nullptr;
@@ -1124,9 +1143,15 @@ __device__ __forceinline__ void load_tile_fp8_raw(const RowRef* refs, const void
   for (int k = 0; k < kFp8Chunks / 4; ++k) cp_async16(dst + 64 * k, src + 64 * k, valid);
 }
 
-__global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const KernelArgs a) {
-  using S = H16Smem;
+template <int kE>
+__global__ void __launch_bounds__(256, 64 / kE) sparse_mla_fp8_h16_kernel(const KernelArgs a) {
+  using S = H16Smem<kE>;
   constexpr int P = S::kPartPitch;
+  constexpr int kJ = kE / 8;           // 8-entry blocks of a tile (a lane's K entries)
+  constexpr int kKs = kE / 16;         // P V k-steps
+  constexpr int kSub = 64 / kE;        // tiles of kE entries in one of the plan's 64-entry tiles
+  constexpr int kRowB = kE * 2;        // bytes of a P row
+  auto swz = [](int row) { return kE == 64 ? (row & 7) : ((row >> 1) & 3); };
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
   uint8_t* sRaw = smem + S::kRaw;
@@ -1139,18 +1164,19 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   int* sValid = reinterpret_cast<int*>(smem + S::kValid);
 
   const WorkItem w = work_item<1>(a);
-  const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, warp, g, c] = w;
+  const auto& [t, head0, split, tile_begin, tile_end, n64, lane, rg, warp, g, c] = w;
+  const int n = n64 * kSub;
   float sinks[2];
   load_sinks(a, w, sinks);
 
-  // Row references: threads 0..63 own one list entry each; a tile's slots are fetched two
+  // Row references: threads 0..kE-1 own one list entry each; a tile's slots are fetched two
   // iterations before its copies and resolved (and its rows prefetched into L2) one iteration
   // before, into sRefs[tile % 2] and sValid[tile % 3] (as in the bf16 kernel).
-  const bool owner = threadIdx.x < kTileN;
+  const bool owner = threadIdx.x < kE;
   auto publish = [&](int32_t slot, int which, int tile) {
     const RowRef ref = resolve<true>(a, slot, which);
-    sRefs[(tile & 1) * kTileN + threadIdx.x] = ref;
-    sValid[(tile % 3) * kTileN + threadIdx.x] = slot >= 0;
+    sRefs[(tile & 1) * kE + threadIdx.x] = ref;
+    sValid[(tile % 3) * kE + threadIdx.x] = slot >= 0;
     if (ref.row != nullptr) {
 #pragma unroll
       for (int off = 0; off < kFp8Row; off += 128)
@@ -1158,10 +1184,14 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ref.scale));
     }
   };
+  auto fetch = [&](int tile, int32_t& slot, int& which) {  // entry threadIdx.x of tile `tile`
+    fetch_slot(a, t, tile_begin + tile / kSub, tile_end, (tile % kSub) * kE + threadIdx.x, slot,
+               which);
+  };
   int32_t pf_slot = -1;
   int pf_which = 0;
   if (owner) {
-    fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
+    fetch(0, pf_slot, pf_which);
     publish(pf_slot, pf_which, 0);
   }
 
@@ -1192,12 +1222,12 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   }
 
   __syncthreads();  // tile 0's references
-  if (n > 0) load_tile_fp8_raw(sRefs, a.q, sRaw, sScale, threadIdx.x);
+  if (n > 0) load_tile_fp8_raw<kE>(sRefs, a.q, sRaw, sScale, threadIdx.x);
   cp_async_commit();
   if (owner) {
-    fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+    fetch(1, pf_slot, pf_which);
     publish(pf_slot, pf_which, 1);
-    fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
+    fetch(2, pf_slot, pf_which);
   }
 
   float acc[8][4];
@@ -1206,17 +1236,17 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};
   const int prow = lane & 15, phi = lane >> 4;
-  uint32_t pa[4];
+  uint32_t pa[kKs];
 #pragma unroll
-  for (int m = 0; m < 4; ++m)
-    pa[m] = smem_u32(sP) + prow * 128 + ((((2 * m) | phi) ^ (prow & 7)) << 4);
+  for (int m = 0; m < kKs; ++m)
+    pa[m] = smem_u32(sP) + prow * kRowB + ((((2 * m) | phi) ^ swz(prow)) << 4);
 
   // This lane's K (entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs); after S, V.
-  uint32_t kr[8][8];
+  uint32_t kr[kJ][8];
   // O += P V over this warp's dims (P from shared memory, V in kr).
   auto pv_step = [&]() {
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
+    for (int ks = 0; ks < kKs; ++ks) {
       uint32_t a0, a1, a2, a3;
       ldsm_x4(pa[ks], a0, a1, a2, a3);
 #pragma unroll
@@ -1234,6 +1264,18 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
   // two block barriers, not three (+2.6-4%).
   float s_keep[4] = {0.f, 0.f, 0.f, 0.f};
   float l_prev[2] = {0.f, 0.f};
+  // kE = 32: warp w sums entries 8 (w % 4) ..+8 of rows g + 8 (w / 4) only (the other row's
+  // scores stay -inf, so its P and sums are 0 and it writes no P there).
+  const int blk = kE == 64 ? warp : (warp & 3);
+  const int rh = kE == 64 ? 0 : (warp >> 2);
+  auto write_p = [&](const float (&pv)[4], int col) {
+    if (kE == 64 || rh == 0)
+      *reinterpret_cast<uint32_t*>(sP + g * kRowB + (((col >> 3) ^ swz(g)) << 4) +
+                                   (col & 7) * 2) = pack_bf16(pv[0], pv[1]);
+    if (kE == 64 || rh == 1)
+      *reinterpret_cast<uint32_t*>(sP + (g + 8) * kRowB + (((col >> 3) ^ swz(g + 8)) << 4) +
+                                   (col & 7) * 2) = pack_bf16(pv[2], pv[3]);
+  };
   auto settle = [&](int buf) {  // after a barrier; block-uniform
     const int4 f0 = *reinterpret_cast<const int4*>(sNeed + buf * 8);
     const int4 f1 = *reinterpret_cast<const int4*>(sNeed + buf * 8 + 4);
@@ -1258,7 +1300,7 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       pv[x] = prob(s_keep[x], m_run[x >> 1]);
       l_run[x >> 1] += pv[x];
     }
-    store_p_pairs(sP, g, 8 * warp + 2 * c, pack_bf16(pv[0], pv[1]), pack_bf16(pv[2], pv[3]));
+    write_p(pv, 8 * blk + 2 * c);
     rescale_acc(acc, alpha);
     __syncthreads();  // the tile's P rewritten
   };
@@ -1269,13 +1311,12 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
                       // every warp done with iteration it-1 up to its P (raw buffer (it+1) % 2,
                       // sPart, sMax)
     if (it + 1 < n)
-      load_tile_fp8_raw(sRefs + ((it + 1) & 1) * kTileN, a.q,
-                        sRaw + ((it + 1) & 1) * kTileN * kFp8Row,
-                        sScale + ((it + 1) & 1) * kTileN * 8, threadIdx.x);
+      load_tile_fp8_raw<kE>(sRefs + ((it + 1) & 1) * kE, a.q, sRaw + ((it + 1) & 1) * kE * kFp8Row,
+                            sScale + ((it + 1) & 1) * kE * 8, threadIdx.x);
     cp_async_commit();
     if (owner) {  // into tile it's reference buffer: its copies were issued before the barrier
       publish(pf_slot, pf_which, it + 2);
-      fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+      fetch(it + 3, pf_slot, pf_which);
     }
     // Tile it-1's P V here rather than behind a fourth barrier: its P was complete at the one
     // above, and each warp finishes reading sP before the next barrier, ahead of P's rewrite.
@@ -1285,14 +1326,14 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     }
 
     // ---- this lane's K: entries 8 j + g, dims 64 warp + 16 c ..+16, as 8 bf16 pairs ----
-    const uint8_t* raw = sRaw + (it & 1) * kTileN * kFp8Row;
-    const uint8_t* scl = sScale + (it & 1) * kTileN * 8;
+    const uint8_t* raw = sRaw + (it & 1) * kE * kFp8Row;
+    const uint8_t* scl = sScale + (it & 1) * kE * 8;
     if (warp < 7) {
-      uint4 x[8];
-      uint32_t b[8];
+      uint4 x[kJ];
+      uint32_t b[kJ];
       bool fast = true;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kJ; ++j) {
         const int e = 8 * j + g;
         x[j] = *reinterpret_cast<const uint4*>(raw + e * kFp8Row + warp * 64 + 16 * c);
         b[j] = scl[e * 8 + warp];
@@ -1303,14 +1344,14 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       // (Two loops, not one with the choice inside: ptxas schedules that one differently.)
       if (__all_sync(0xffffffffu, fast)) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < kJ; ++j) {
           uint4 lo, hi;
           dequant16_fast(x[j], b[j], lo, hi);
           put_pairs(kr[j], lo, hi);
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < kJ; ++j) {
           uint4 lo, hi;
           dequant16_slow(x[j], b[j], lo, hi);
           put_pairs(kr[j], lo, hi);
@@ -1318,7 +1359,7 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       }
     } else {  // the RoPE dims, bf16 in the row's last 128 bytes
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kJ; ++j) {
         const uint8_t* p = raw + (8 * j + g) * kFp8Row + 448 + 32 * c;
         put_pairs(kr[j], *reinterpret_cast<const uint4*>(p),
                   *reinterpret_cast<const uint4*>(p + 16));
@@ -1327,9 +1368,9 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
 
     // ---- S partial over this warp's dims -> shared memory ----
     {
-      float sacc[8][4];
+      float sacc[kJ][4];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kJ; ++j) {
         sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
@@ -1338,7 +1379,7 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
       }
       float* part = sPart + warp * 16 * P;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kJ; ++j) {
         const int col = 8 * j + 2 * c;
         *reinterpret_cast<float2*>(part + g * P + col) = make_float2(sacc[j][0], sacc[j][1]);
         *reinterpret_cast<float2*>(part + (g + 8) * P + col) = make_float2(sacc[j][2], sacc[j][3]);
@@ -1346,31 +1387,44 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     }
     // K becomes V: each 8 x 8 block (entries 8 j.., this lane group's dims) transposed.
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kJ; ++j)
 #pragma unroll
       for (int p = 0; p < 8; ++p) kr[j][p] = movmatrix_trans(kr[j][p]);
     __syncthreads();  // every partial written
 
     // ---- entries 8 warp ..+8: the summed scores, masked and scaled; their row maxima ----
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-    const int col = 8 * warp + 2 * c;
+    const int col = 8 * blk + 2 * c;
+    if constexpr (kE == 64) {
 #pragma unroll
-    for (int w2 = 0; w2 < 8; ++w2) {  // fixed order
-      const float* pp = sPart + w2 * 16 * P;
-      const float2 lo = *reinterpret_cast<const float2*>(pp + g * P + col);
-      const float2 hi = *reinterpret_cast<const float2*>(pp + (g + 8) * P + col);
-      s[0] += lo.x;
-      s[1] += lo.y;
-      s[2] += hi.x;
-      s[3] += hi.y;
+      for (int w2 = 0; w2 < 8; ++w2) {  // fixed order
+        const float* pp = sPart + w2 * 16 * P;
+        const float2 lo = *reinterpret_cast<const float2*>(pp + g * P + col);
+        const float2 hi = *reinterpret_cast<const float2*>(pp + (g + 8) * P + col);
+        s[0] += lo.x;
+        s[1] += lo.y;
+        s[2] += hi.x;
+        s[3] += hi.y;
+      }
+    } else {
+      float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+      for (int w2 = 0; w2 < 8; ++w2) {  // fixed order
+        const float2 v = *reinterpret_cast<const float2*>(sPart + w2 * 16 * P + (g + 8 * rh) * P +
+                                                          col);
+        o0 += v.x;
+        o1 += v.y;
+      }
+      s[0] = s[2] = o0;
+      s[1] = s[3] = o1;
     }
-    const int* valid = sValid + (it % 3) * kTileN;
+    const int* valid = sValid + (it % 3) * kE;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       const bool v = valid[col + x] != 0;
-      s[x] = v ? s[x] * a.scale_log2 : -INFINITY;
-      s[2 + x] = v ? s[2 + x] * a.scale_log2 : -INFINITY;
+      s[x] = v && (kE == 64 || rh == 0) ? s[x] * a.scale_log2 : -INFINITY;
+      s[2 + x] = v && (kE == 64 || rh == 1) ? s[2 + x] * a.scale_log2 : -INFINITY;
       mx[0] = fmaxf(mx[0], s[x]);
       mx[1] = fmaxf(mx[1], s[2 + x]);
     }
@@ -1397,7 +1451,7 @@ __global__ void __launch_bounds__(256, 1) sparse_mla_fp8_h16_kernel(const Kernel
     l_prev[1] = l_run[1];
 #pragma unroll
     for (int x = 0; x < 4; ++x) l_run[x >> 1] += pv[x];  // settle's order
-    store_p_pairs(sP, g, col, pack_bf16(pv[0], pv[1]), pack_bf16(pv[2], pv[3]));
+    write_p(pv, col);
   }
   if (n > 0) {
     __syncthreads();  // the last tile's P complete
@@ -1502,15 +1556,17 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
 }
 
 // Grids of up to this many waves (of one CTA an SM) of 16-head FP8 work items run
-// sparse_mla_fp8_h16_kernel; bigger ones (prefill) the one-tile kernel at two CTAs an SM
-// (H200: the 16-head kernel 1.38x at 128 tokens, 1.14x at 256; 0.98x at 4096).
+// sparse_mla_fp8_h16_kernel (64-entry tiles up to one wave, 32-entry tiles at two CTAs an SM
+// beyond); bigger ones (prefill) the one-tile kernel at two CTAs an SM (H200: the 16-head kernel
+// 1.38x at 128 tokens, 1.23x at 256; 0.98x at 4096).
 constexpr int64_t kH16MaxWaves = 4;
 
+template <int kE>
 void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = H16Smem::kAlloc;
-  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel,
+  constexpr int bytes = H16Smem<kE>::kAlloc;
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel<kE>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  sparse_mla_fp8_h16_kernel<<<grid, 256, bytes, stream>>>(a);
+  sparse_mla_fp8_h16_kernel<kE><<<grid, 256, bytes, stream>>>(a);
 }
 
 template <int R, bool kFp8>
@@ -1540,11 +1596,18 @@ SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, in
   const int64_t heads_per_cta = 16 * R;
   const int64_t items = num_tokens * ((num_heads + heads_per_cta - 1) / heads_per_cta);
   const int64_t ntiles = (total_topk + kTileN - 1) / kTileN;
-  plan.h16 = fp8 && R == 1 && (h16 >= 0 ? h16 != 0 : items <= kH16MaxWaves * num_sms);
-  // CTAs that fit on an SM at once (shared memory); split the list only while the grid is
-  // under one wave of them.
-  const int64_t slots =
-      num_sms * ((fp8 && R == 1 && !plan.h16) ? Smem<1, true>::kCtasPerSm : 1);
+  ZI_CHECK(h16 == -1 || h16 == 0 || h16 == 32 || h16 == 64,
+           "sparse_mla_cuda_plan: h16 must be -1 (the plan chooses), 0, 32 or 64");
+  if (fp8 && R == 1) {
+    if (h16 >= 0) plan.h16 = h16;
+    else if (items <= kH16MaxWaves * num_sms) plan.h16 = items <= num_sms ? 64 : 32;
+  }
+  // CTAs that fit on an SM at once (registers, shared memory); split the list only while the
+  // grid is under one wave of them.
+  const int64_t per_sm = plan.h16 == 64 ? 1
+                         : plan.h16 == 32 ? 2
+                         : (fp8 && R == 1) ? Smem<1, true>::kCtasPerSm : 1;
+  const int64_t slots = num_sms * per_sm;
   int64_t splits = 1;
   if (items > 0 && items < slots && ntiles > 1)
     splits = std::min<int64_t>(ntiles, std::max<int64_t>(1, slots / items));
@@ -1601,15 +1664,17 @@ void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan
   }
 
   const int R = rows_per_cta(p.num_heads);
-  ZI_CHECK(!plan.h16 || (fp8 && R == 1),
-           "sparse_mla_attention_cuda: plan.h16 needs at most 16 heads over the FP8 cache");
+  ZI_CHECK(plan.h16 == 0 || ((plan.h16 == 32 || plan.h16 == 64) && fp8 && R == 1),
+           "sparse_mla_attention_cuda: plan.h16 must be 0, or 32 / 64 with at most 16 heads over "
+           "the FP8 cache");
   const int64_t heads_per_cta = 16 * R;
   dim3 grid(static_cast<unsigned>(p.num_tokens),
             static_cast<unsigned>((p.num_heads + heads_per_cta - 1) / heads_per_cta),
             static_cast<unsigned>(plan.num_splits));
   auto s = static_cast<cudaStream_t>(stream);
   if (fp8) {
-    if (plan.h16) launch_h16(a, grid, s);
+    if (plan.h16 == 64) launch_h16<64>(a, grid, s);
+    else if (plan.h16 == 32) launch_h16<32>(a, grid, s);
     else if (R == 1) launch<1, true>(a, grid, s);
     else if (R == 2) launch<2, true>(a, grid, s);
     else launch<4, true>(a, grid, s);

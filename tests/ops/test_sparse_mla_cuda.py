@@ -135,21 +135,29 @@ def test_plan_splits_only_small_grids():
     splits, per, ws, _ = _C.sparse_mla_cuda_plan(64, 64, 640, sms)
     assert splits * per >= 10 and (splits - 1) * per < 10 and ws == splits * 64 * 64 * 514
     assert _C.sparse_mla_cuda_plan(4, 64, 0, sms)[0] == 1          # empty lists
-    # Up to 16 heads over an FP8 cache: the 16-head kernel (one CTA an SM) for grids of up to four
-    # waves, the one-tile kernel (two CTAs an SM: 128 tokens still split in two) beyond.
+    # Up to 16 heads over an FP8 cache: the 16-head kernel for grids of up to four waves (of one
+    # CTA an SM), on 64-entry tiles up to one wave (split below it) and on 32-entry tiles (two
+    # CTAs an SM) beyond; the one-tile kernel (two CTAs an SM: 128 tokens still split in two)
+    # above four waves.
     plan = _C.sparse_mla_cuda_plan
-    assert plan(128, 16, 640, sms)[0] == 1 and not plan(128, 16, 640, sms)[3]
-    assert plan(128, 16, 640, sms, fp8=True)[::3] == (1, True)
-    assert plan(64, 16, 640, sms, fp8=True)[::3] == (2, True)
-    assert plan(128, 8, 640, sms, fp8=True)[3]
-    assert plan(4 * sms, 16, 640, sms, fp8=True)[3]
-    assert plan(4 * sms + 1, 16, 640, sms, fp8=True)[::3] == (1, False)
-    assert plan(128, 16, 640, sms, fp8=True, h16=0)[::3] == (2, False)
-    assert plan(4096, 16, 640, sms, fp8=True, h16=1)[3]
-    assert not plan(128, 32, 640, sms, fp8=True, h16=1)[3]  # 16 heads at most
+    assert plan(128, 16, 640, sms)[0] == 1 and plan(128, 16, 640, sms)[3] == 0
+    assert plan(128, 16, 640, sms, fp8=True)[::3] == (1, 64)
+    assert plan(sms, 16, 640, sms, fp8=True)[::3] == (1, 64)
+    assert plan(64, 16, 640, sms, fp8=True)[::3] == (2, 64)
+    assert plan(128, 8, 640, sms, fp8=True)[3] == 64
+    assert plan(sms + 1, 16, 640, sms, fp8=True)[::3] == (1, 32)
+    assert plan(256, 16, 640, sms, fp8=True)[::3] == (1, 32)
+    assert plan(4 * sms, 16, 640, sms, fp8=True)[3] == 32
+    assert plan(4 * sms + 1, 16, 640, sms, fp8=True)[::3] == (1, 0)
+    assert plan(128, 16, 640, sms, fp8=True, h16=0)[::3] == (2, 0)
+    assert plan(128, 16, 640, sms, fp8=True, h16=32)[::3] == (2, 32)  # two slots an SM
+    assert plan(4096, 16, 640, sms, fp8=True, h16=64)[3] == 64
+    assert plan(128, 32, 640, sms, fp8=True, h16=64)[3] == 0  # 16 heads at most
+    with pytest.raises(Exception, match="h16"):
+        plan(128, 16, 640, sms, fp8=True, h16=1)
 
 
-@pytest.mark.parametrize("h16", [0, 1])
+@pytest.mark.parametrize("h16", [0, 32, 64])
 @pytest.mark.parametrize("H", [8, 16])
 @pytest.mark.parametrize("fmt", ["fp8", "fp8raw"])
 @pytest.mark.parametrize("T,K,bs,extra,pattern", [
@@ -159,8 +167,9 @@ def test_plan_splits_only_small_grids():
     (7, 100, 1, (5, 1), "none"),        # every entry skipped
 ])
 def test_both_16_head_fp8_kernels(gen, monkeypatch, h16, H, fmt, T, K, bs, extra, pattern):
-    """The plan picks between two kernels for up to 16 heads over the FP8 cache by grid size;
-    both are held to the reference here on the same shapes (forced through the plan's h16)."""
+    """The plan picks among three kernels for up to 16 heads over the FP8 cache by grid size
+    (the one-tile kernel, the 16-head kernel on 32- or 64-entry tiles); each is held to the
+    reference here on the same shapes (forced through the plan's h16)."""
     monkeypatch.setattr(sparse_mla_module, "_launch_cuda",
                         functools.partial(sparse_mla_module._launch_cuda, h16=h16))
     run(gen, fmt=fmt, T=T, H=H, K=K, bs=bs, pattern=pattern, sink=True, extra=extra)

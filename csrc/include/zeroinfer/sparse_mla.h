@@ -87,13 +87,15 @@ struct SparseMlaCudaPlan {
   int64_t num_splits = 1;
   int64_t tiles_per_split = 1;
   int64_t workspace_floats = 0;  // float32 scratch the caller allocates (0: none needed)
-  bool h16 = false;              // up to 16 heads over the FP8 cache: the K-in-registers kernel
+  int h16 = 0;  // up to 16 heads over the FP8 cache: the K-in-registers kernel's entries a tile
+                // (64: one CTA an SM, 32: two); 0: not that kernel
 };
 
 // The plan depends on shapes only (never on device values), so launches need no host sync.
-// fp8: the cache is in the FP8 layout (up to 16 heads then run the K-in-registers kernel, one
-// CTA an SM, for decode-sized grids, and the one-tile kernel, two CTAs an SM, for bigger ones).
-// h16: -1 chooses by the grid; 0 / 1 force the choice (tests run both kernels on one input).
+// fp8: the cache is in the FP8 layout (up to 16 heads then run the K-in-registers kernel for
+// decode-sized grids: 64-entry tiles up to one wave, 32-entry tiles beyond; the one-tile kernel,
+// two CTAs an SM, for bigger ones). h16: -1 chooses by the grid; 0 / 32 / 64 force the choice
+// (tests run every kernel on one input).
 SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, int64_t total_topk,
                                        int64_t num_sms, bool fp8 = false, int h16 = -1);
 

@@ -162,7 +162,7 @@ def _launch_cuda(q, kv_cache, kv_block_size, indices, softmax_scale, attn_sink, 
                  extra_block_size, extra_indices, out, lse, h16: int = -1) -> None:
     """The Hopper kernels (csrc/cuda/sparse_mla.cu). The split plan depends on shapes only, so
     nothing here waits for the device. h16 (tests): -1 lets the plan choose the 16-head FP8
-    kernel, 0 / 1 force it off / on."""
+    kernel and its tile, 0 / 32 / 64 force the choice (0: not that kernel)."""
     T, H, _ = q.shape
     total = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
     num_splits, per_split, ws_floats, use_h16 = _C.sparse_mla_cuda_plan(
