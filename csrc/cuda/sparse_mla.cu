@@ -1067,14 +1067,14 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
 //     A tile's P V runs after the next tile's first barrier: two block barriers a tile.
 // One CTA (8 warps) an SM: ~116 KB of shared memory and 229 registers a thread. H200, V4 decode
 // shapes (bench/results/h200/sparse_mla_NOTES.md, session 13): 1.38x the one-tile kernel at 128
-// tokens, 1.14x at 256, 0.98x at a 4096-token prefill (the plan keeps that on the one-tile kernel,
-// kH16MaxWaves). Tried and slower: each row by one bulk (TMA-engine) copy two tiles ahead (-5%:
+// tokens. Tried and slower: each row by one bulk (TMA-engine) copy two tiles ahead (-5%:
 // a warp issues its lanes' bulk copies one at a time); 36 threads a row for the cp.asyncs (-2%).
 // kE = 32 (session 14): the same kernel on 32-entry tiles (a lane holds K for 4 entries, warp w
 // sums entries 8 (w % 4) ..+8 of one row half), 128 registers and ~62 KB: two CTAs an SM, so one
 // CTA's barriers overlap the other's work. Per SM it does ~1.08x the 64-entry kernel's work, but
-// its tiles cost more a CTA: the plan runs it only for grids over one wave of the 64-entry one
-// (H200, 16 heads: 1.08x at 256 tokens and at 128 x 2; 0.84x at 128 split in two).
+// its tiles cost more a CTA: the plan runs it for grids over one wave of the 64-entry one (H200,
+// 16 heads, against the 64-entry kernel: 1.07x at 256 tokens and at 128 x 2, 0.83x at 128 split
+// in two; against the one-tile kernel: 1.2x at 400-1024 tokens and at a 4096-token prefill).
 template <int kE>  // entries a tile: 64 (one CTA an SM) or 32 (two)
 struct H16Smem {
   static constexpr int kPartPitch = kE + 8;  // floats; 8 mod 32: float2 half-warps conflict-free
@@ -1555,12 +1555,6 @@ int rows_per_cta(int64_t num_heads) {  // R: row groups of 16 heads per CTA
   return num_heads > 32 ? 4 : (num_heads > 16 ? 2 : 1);
 }
 
-// Grids of up to this many waves (of one CTA an SM) of 16-head FP8 work items run
-// sparse_mla_fp8_h16_kernel (64-entry tiles up to one wave, 32-entry tiles at two CTAs an SM
-// beyond); bigger ones (prefill) the one-tile kernel at two CTAs an SM (H200: the 16-head kernel
-// 1.38x at 128 tokens, 1.23x at 256; 0.98x at 4096).
-constexpr int64_t kH16MaxWaves = 4;
-
 template <int kE>
 void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = H16Smem<kE>::kAlloc;
@@ -1600,7 +1594,7 @@ SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, in
            "sparse_mla_cuda_plan: h16 must be -1 (the plan chooses), 0, 32 or 64");
   if (fp8 && R == 1) {
     if (h16 >= 0) plan.h16 = h16;
-    else if (items <= kH16MaxWaves * num_sms) plan.h16 = items <= num_sms ? 64 : 32;
+    else plan.h16 = items <= num_sms ? 64 : 32;  // (H200, 16 heads: see sparse_mla_fp8_h16_kernel)
   }
   // CTAs that fit on an SM at once (registers, shared memory); split the list only while the
   // grid is under one wave of them.

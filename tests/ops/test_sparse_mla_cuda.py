@@ -135,10 +135,9 @@ def test_plan_splits_only_small_grids():
     splits, per, ws, _ = _C.sparse_mla_cuda_plan(64, 64, 640, sms)
     assert splits * per >= 10 and (splits - 1) * per < 10 and ws == splits * 64 * 64 * 514
     assert _C.sparse_mla_cuda_plan(4, 64, 0, sms)[0] == 1          # empty lists
-    # Up to 16 heads over an FP8 cache: the 16-head kernel for grids of up to four waves (of one
-    # CTA an SM), on 64-entry tiles up to one wave (split below it) and on 32-entry tiles (two
-    # CTAs an SM) beyond; the one-tile kernel (two CTAs an SM: 128 tokens still split in two)
-    # above four waves.
+    # Up to 16 heads over an FP8 cache: the 16-head kernel, on 64-entry tiles for grids of up to
+    # one wave (of one CTA an SM; split below it) and on 32-entry tiles (two CTAs an SM) beyond;
+    # forced off, the one-tile kernel (two CTAs an SM: 128 tokens still split in two).
     plan = _C.sparse_mla_cuda_plan
     assert plan(128, 16, 640, sms)[0] == 1 and plan(128, 16, 640, sms)[3] == 0
     assert plan(128, 16, 640, sms, fp8=True)[::3] == (1, 64)
@@ -147,8 +146,7 @@ def test_plan_splits_only_small_grids():
     assert plan(128, 8, 640, sms, fp8=True)[3] == 64
     assert plan(sms + 1, 16, 640, sms, fp8=True)[::3] == (1, 32)
     assert plan(256, 16, 640, sms, fp8=True)[::3] == (1, 32)
-    assert plan(4 * sms, 16, 640, sms, fp8=True)[3] == 32
-    assert plan(4 * sms + 1, 16, 640, sms, fp8=True)[::3] == (1, 0)
+    assert plan(4096, 16, 640, sms, fp8=True)[::3] == (1, 32)
     assert plan(128, 16, 640, sms, fp8=True, h16=0)[::3] == (2, 0)
     assert plan(128, 16, 640, sms, fp8=True, h16=32)[::3] == (2, 32)  # two slots an SM
     assert plan(4096, 16, 640, sms, fp8=True, h16=64)[3] == 64

@@ -92,10 +92,10 @@ struct SparseMlaCudaPlan {
 };
 
 // The plan depends on shapes only (never on device values), so launches need no host sync.
-// fp8: the cache is in the FP8 layout (up to 16 heads then run the K-in-registers kernel for
-// decode-sized grids: 64-entry tiles up to one wave, 32-entry tiles beyond; the one-tile kernel,
-// two CTAs an SM, for bigger ones). h16: -1 chooses by the grid; 0 / 32 / 64 force the choice
-// (tests run every kernel on one input).
+// fp8: the cache is in the FP8 layout (up to 16 heads then run the K-in-registers kernel: on
+// 64-entry tiles for grids of up to one wave, on 32-entry tiles, two CTAs an SM, beyond). h16: -1
+// chooses by the grid; 0 (the one-tile kernel) / 32 / 64 force the choice (tests run every kernel
+// on one input).
 SparseMlaCudaPlan sparse_mla_cuda_plan(int64_t num_tokens, int64_t num_heads, int64_t total_topk,
                                        int64_t num_sms, bool fp8 = false, int h16 = -1);
 
