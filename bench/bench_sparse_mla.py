@@ -97,6 +97,7 @@ def cuda_cases():
     cases = [(b, 64, "fp8", False, s_q) for s_q in (1, 2) for b in (1, 8, 32, 64, 128, 256)]
     cases += [(128, 128, "fp8", False, s_q) for s_q in (1, 2)]  # V4-Pro head count
     cases += [(128, 16, "fp8", False, s_q) for s_q in (1, 2)]   # a TP4 shard of V4-Flash
+    cases += [(256, 16, "fp8", False, 1), (4096, 16, "fp8", True, 1)]  # its bigger grids
     cases += [(128, 64, "bf16", False, 1)]                      # the bf16 cache, for reference
     cases += [(T, 64, fmt, True, 1) for T in (4096, 32768) for fmt in ("fp8", "bf16")]
     return cases
