@@ -1112,26 +1112,17 @@ __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, bool va
                : "memory");
 }
 
-// The cp.asyncs of one raw tile (rows and scale bytes of the 64 entries published in `refs`),
-// four threads a row: thread tid takes chunks tid % 4 + 4 k of row tid / 4, so it reads its row
-// reference once and its nine copies differ by immediates (36 threads a row, a chunk each: ~5x
-// the issue, 2% slower). Skipped entries are zero-filled from `dummy` (any valid address).
+// The cp.asyncs of one raw tile (rows and scale bytes of the kE entries published in `refs`),
+// 256 / kE threads a row (4 or 8): thread tid takes chunks q + T k of row tid / T (q = tid % T),
+// so it reads its row reference once and its copies differ by immediates (36 threads a row, a
+// chunk each: ~5x the issue, 2% slower). Skipped entries are zero-filled from `dummy` (any valid
+// address).
 template <int kE>
 __device__ __forceinline__ void load_tile_fp8_raw(const RowRef* refs, const void* dummy,
                                                   uint8_t* raw, uint8_t* scales, int tid) {
-  if constexpr (kE == 32) {  // eight threads a row: chunks q + 8 k, and 32 + q for q < 4
-    const int e = tid >> 3, q = tid & 7;
-    const RowRef ref = refs[e];
-    const bool valid = ref.row != nullptr;
-    if (q == 0) cp_async8(smem_u32(scales + e * 8), valid ? ref.scale : dummy, valid);
-    const uint8_t* src = (valid ? ref.row : static_cast<const uint8_t*>(dummy)) + q * 16;
-    const uint32_t dst = smem_u32(raw + e * kFp8Row + q * 16);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) cp_async16(dst + 128 * k, src + 128 * k, valid);
-    if (q < 4) cp_async16(dst + 512, src + 512, valid);
-    return;
-  }
-  const int e = tid >> 2, q = tid & 3;
+  constexpr int T = 256 / kE, kShift = T == 4 ? 2 : 3;
+  static_assert(T == 1 << kShift, "four or eight threads a row");
+  const int e = tid >> kShift, q = tid & (T - 1);
   const RowRef ref = refs[e];
   const bool valid = ref.row != nullptr;
   // (The scale copy first: an address register is still being read by an issued copy, so
@@ -1140,7 +1131,12 @@ __device__ __forceinline__ void load_tile_fp8_raw(const RowRef* refs, const void
   const uint8_t* src = (valid ? ref.row : static_cast<const uint8_t*>(dummy)) + q * 16;
   const uint32_t dst = smem_u32(raw + e * kFp8Row + q * 16);
 #pragma unroll
-  for (int k = 0; k < kFp8Chunks / 4; ++k) cp_async16(dst + 64 * k, src + 64 * k, valid);
+  for (int k = 0; k < kFp8Chunks / T; ++k) cp_async16(dst + 16 * T * k, src + 16 * T * k, valid);
+  constexpr int kTail = kFp8Chunks % T;  // 36 chunks: none at 4 threads a row, 4 at 8
+  if constexpr (kTail != 0) {
+    constexpr int kLast = 16 * T * (kFp8Chunks / T);
+    if (q < kTail) cp_async16(dst + kLast, src + kLast, valid);
+  }
 }
 
 template <int kE>
