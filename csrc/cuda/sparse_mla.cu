@@ -24,6 +24,9 @@
 // warpgroup computes S over half of the dims for all entries and keeps its half of the entries
 // after a fixed-order exchange, and O for half of the dims; the FP8 dequantisation of the next
 // tile runs while P V is in flight. Outputs leave through shared memory in 16-byte stores.
+// Up to 16 heads over the FP8 cache run sparse_mla_fp8_h16_kernel instead (K dequantised into
+// mma registers, dims split across the warps; 64-entry tiles up to one wave of CTAs, 32-entry
+// tiles at two CTAs an SM beyond): the plan (sparse_mla_cuda_plan) picks.
 // Where the time goes on the H200, and what was tried: bench/results/h200/sparse_mla_NOTES.md.
 //
 // Split-KV: with few (token, head-group) items the list is cut into `num_splits` pieces; each
