@@ -90,26 +90,22 @@ __global__ void __launch_bounds__(256) read_bulk(const uint8_t* buf, int64_t byt
           : "memory");
     }
   };
-  for (int s = 0; s < kSlots - 1; ++s) issue(s);
-  for (int64_t s = 0; s < stages; ++s) {
+  auto landed = [&](int64_t s) {  // stage s's slot filled (its mbarrier's phase s / kSlots)
     const uint32_t bar = smem_u32(&bars[s % kSlots]), parity = (s / kSlots) & 1;
     asm volatile(
         "{\n.reg .pred done;\nW_%=:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra W_%=;\n}\n" ::"r"(bar),
         "r"(parity)
         : "memory");
+  };
+  for (int s = 0; s < kSlots - 1; ++s) issue(s);
+  for (int64_t s = 0; s < stages; ++s) {
+    landed(s);
     __syncthreads();  // everyone done with slot s - 1 before it is refilled
     issue(s + kSlots - 1);
   }
   // drain the copies still in flight before the CTA exits
-  for (int64_t s = stages; s < stages + kSlots - 1; ++s) {
-    const uint32_t bar = smem_u32(&bars[s % kSlots]), parity = (s / kSlots) & 1;
-    asm volatile(
-        "{\n.reg .pred done;\nD_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra D_%=;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-  }
+  for (int64_t s = stages; s < stages + kSlots - 1; ++s) landed(s);
   if (threadIdx.x == 0 && ring[5] == 0x7b && ring[77] == 0x11) sink[0] = uint4{1, 1, 1, 1};
 }
 

@@ -164,15 +164,7 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) acc[i] += part[i];
       } else {
-        const float* sst = reinterpret_cast<const float*>(base + kWgs * kA + kB);
-#pragma unroll
-        for (int j = 0; j < kAcc / 4; ++j) {
-          const float2 as = *reinterpret_cast<const float2*>(sst + j * 8 + 2 * t);
-          acc[4 * j + 0] = fmaf(part[4 * j + 0] * 0.5f, as.x, acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(part[4 * j + 1] * 0.5f, as.y, acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(part[4 * j + 2] * 0.25f, as.x, acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(part[4 * j + 3] * 0.25f, as.y, acc[4 * j + 3]);
-        }
+        promote(part, base);
       }
     }
   }
