@@ -205,6 +205,13 @@ __device__ __forceinline__ void wgmma_e4m3_rs<128>(float (&d)[64], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
 }
 
+// The 64 accumulator operands %0..%63 of an m64n128 float32 wgmma, as PTX text.
+#define ZI_WGMMA_D64                                                                 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+  "%56, %57, %58, %59, %60, %61, %62, %63}"
+
 // D[64 x 128] (+)= A[64 x 32] * B[32 x 128], both e4m3 in shared memory, both K-major (the
 // only float8 form); accumulate = false starts from zero.
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], uint64_t desc_a,
@@ -212,11 +219,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], uint64_
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " ZI_WGMMA_D64 ","
       " %64, %65, p, 1, 1;\n"
       "}\n"
       : ZI_WGMMA_ACC64(d)
@@ -233,11 +236,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss_zero(float (&d)[64], ui
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " ZI_WGMMA_D64 ","
       " %64, %65, p, 1, 1;\n"
       "}\n"
       : ZI_WGMMA_OUT8(d, 0), ZI_WGMMA_OUT8(d, 8), ZI_WGMMA_OUT8(d, 16), ZI_WGMMA_OUT8(d, 24),
@@ -245,6 +244,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss_zero(float (&d)[64], ui
       : "l"(desc_a), "l"(desc_b));
 }
 #undef ZI_WGMMA_OUT8
+#undef ZI_WGMMA_D64
 
 #undef ZI_WGMMA_ACC64
 #undef ZI_WGMMA_ACC32
