@@ -86,6 +86,20 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
       acc[4 * j + 3] = fmaf(part[4 * j + 3] * 0.25f, as.y, acc[4 * j + 3]);
     }
   };
+  // One stage's chain of 4 k32 wgmmas (SS, n128) into `part`, from zero, committed as one group.
+  auto chain_from_zero = [&](uint64_t da, uint64_t db, auto& part) {
+    wgmma::fence();
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint64_t desc[2] = {da + 2 * q, db + 2 * q};
+      wgmma::fence_operands(desc);
+      if (q == 0)
+        wgmma::wgmma_m64n128k32_e4m3_ss_zero(part, desc[0], desc[1]);
+      else
+        wgmma::wgmma_m64n128k32_e4m3_ss(part, desc[0], desc[1], true);
+    }
+    wgmma::commit();
+  };
   if constexpr (kMode == 4) {
     static_assert(kN == 128, "two 64-register partial sets");
     // descriptors from one opaque base a chain (else the unrolled loop keeps all 32 live)
@@ -96,17 +110,7 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
       asm volatile("" : "+l"(da), "+l"(db));
       da += ((s % kSlots) * kSlot) >> 4;
       db += ((s % kSlots) * kSlot) >> 4;
-      wgmma::fence();
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        uint64_t desc[2] = {da + 2 * q, db + 2 * q};
-        wgmma::fence_operands(desc);
-        if (q == 0)
-          wgmma::wgmma_m64n128k32_e4m3_ss_zero(part, desc[0], desc[1]);
-        else
-          wgmma::wgmma_m64n128k32_e4m3_ss(part, desc[0], desc[1], true);
-      }
-      wgmma::commit();
+      chain_from_zero(da, db, part);
     };
     for (int s0 = 0; s0 < stages; s0 += kUnroll) {
       float pp[2][kAcc];
@@ -124,7 +128,8 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
       }
     }
   }
-  for (int s = 0; s < (kMode == 4 ? 0 : stages); ++s) {
+  else
+  for (int s = 0; s < stages; ++s) {
     const uint8_t* base = smem + (s % kSlots) * kSlot;
     const uint64_t da = wgmma::desc_sw128(smem_u32(base + wg * kA), 16, 1024);
     const uint64_t db = wgmma::desc_sw128(smem_u32(base + kWgs * kA), 16, 1024);
@@ -143,21 +148,19 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
       wgmma::wait<1>();
     } else {
       float part[kAcc];
-      wgmma::fence();
+      if constexpr (kMode == 3) {
+        wgmma::fence();
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        uint64_t desc[2] = {da + 2 * q, db + 2 * q};
-        wgmma::fence_operands(desc);
-        if constexpr (kMode == 3) {
+        for (int q = 0; q < 4; ++q) {
+          uint64_t desc[1] = {db + 2 * q};
+          wgmma::fence_operands(desc);
           wgmma::fence_operands(afrag);
-          wgmma::wgmma_e4m3_rs<kN>(part, afrag, desc[1], q != 0);
-        } else if (q == 0) {
-          wgmma::wgmma_m64n128k32_e4m3_ss_zero(part, desc[0], desc[1]);
-        } else {
-          wgmma::wgmma_m64n128k32_e4m3_ss(part, desc[0], desc[1], true);
+          wgmma::wgmma_e4m3_rs<kN>(part, afrag, desc[0], q != 0);
         }
+        wgmma::commit();
+      } else {
+        chain_from_zero(da, db, part);
       }
-      wgmma::commit();
       wgmma::wait<0>();
       wgmma::fence_operands(part);
       if constexpr (kMode == 1) {
