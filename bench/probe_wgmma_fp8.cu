@@ -53,7 +53,13 @@ constexpr int kA = 64 * 128;       // one warpgroup's A rows, one 128-k stage
 // GEMM ceiling); 3 mode 0 with A from registers (RS); 4 mode 0 with two partial sets, stage kt+1's
 // chain issued before stage kt's promotion (kUnroll stages unrolled: nothing in flight at a back
 // edge, one promotion in kUnroll exposed).
-template <int kWgs, int kN, int kMode, int kUnroll = 8>
+// kScale (the promotion's scales): 0 per token (column) times a row factor, two ops an output
+// (the tile without row bases); 1 per token, one fma an output (the tile with row bases: 16
+// LDS.64 a stage); 2 per row, one fma an output (tokens as the M dimension, DeepGEMM's layout:
+// two scalar loads a stage). kPing (2 warpgroups, modes 0/1): the warpgroups issue their chains
+// strictly in turn (FA3's ping-pong by two named barriers), so one's drain and promotion run
+// under the other's chain.
+template <int kWgs, int kN, int kMode, int kUnroll = 8, int kScale = 0, bool kPing = false>
 __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) {
   extern __shared__ __align__(1024) uint8_t smem[];
   constexpr int kB = kN * 128;
@@ -77,13 +83,26 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
   uint32_t afrag[4] = {0x3a3a3a3au ^ tid, 0x31313131u, 0x2c2c2c2cu, 0x38383838u};
   auto promote = [&](const float(&part)[kAcc], const uint8_t* base) {
     const float* sst = reinterpret_cast<const float*>(base + kWgs * kA + kN * 128);
+    if constexpr (kScale == 2) {
+      const int row = (tid & 127) / 32 * 16 + (tid & 31) / 4;  // this thread's rows, +8
+      const float sg = sst[row], s8 = sst[row + 8];
+#pragma unroll
+      for (int j = 0; j < kAcc / 4; ++j) {
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], sg, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], sg, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], s8, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], s8, acc[4 * j + 3]);
+      }
+      return;
+    }
+    constexpr float fg = kScale == 1 ? 1.0f : 0.5f, f8 = kScale == 1 ? 1.0f : 0.25f;
 #pragma unroll
     for (int j = 0; j < kAcc / 4; ++j) {
       const float2 as = *reinterpret_cast<const float2*>(sst + j * 8 + 2 * t);
-      acc[4 * j + 0] = fmaf(part[4 * j + 0] * 0.5f, as.x, acc[4 * j + 0]);
-      acc[4 * j + 1] = fmaf(part[4 * j + 1] * 0.5f, as.y, acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(part[4 * j + 2] * 0.25f, as.x, acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(part[4 * j + 3] * 0.25f, as.y, acc[4 * j + 3]);
+      acc[4 * j + 0] = fmaf(part[4 * j + 0] * fg, as.x, acc[4 * j + 0]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1] * fg, as.y, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2] * f8, as.x, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3] * f8, as.y, acc[4 * j + 3]);
     }
   };
   // One stage's chain of 4 k32 wgmmas (SS, n128) into `part`, from zero, committed as one group.
@@ -128,7 +147,10 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
       }
     }
   }
-  else
+  else {
+  static_assert(!kPing || (kWgs == 2 && kMode <= 1), "ping-pong: two warpgroups, modes 0 / 1");
+  // turn barriers 1 (warpgroup 0's) and 2 (warpgroup 1's), 256 threads: 128 arrive, 128 sync
+  if (kPing && wg == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
   for (int s = 0; s < stages; ++s) {
     const uint8_t* base = smem + (s % kSlots) * kSlot;
     const uint64_t da = wgmma::desc_sw128(smem_u32(base + wg * kA), 16, 1024);
@@ -159,7 +181,11 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
         }
         wgmma::commit();
       } else {
+        if constexpr (kPing) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
         chain_from_zero(da, db, part);
+        // the other warpgroup's turn (warpgroup 1 skips its last: nobody would wait for it)
+        if constexpr (kPing)
+          if (wg == 0 || s + 1 < stages) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory");
       }
       wgmma::wait<0>();
       wgmma::fence_operands(part);
@@ -171,6 +197,7 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
       }
     }
   }
+  }
   wgmma::wait<0>();
   wgmma::fence_operands(acc);
   float r = 0.f;
@@ -179,18 +206,18 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
   sink[blockIdx.x * blockDim.x + tid] = r;
 }
 
-template <int kWgs, int kN, int kMode, int kUnroll = 8>
+template <int kWgs, int kN, int kMode, int kUnroll = 8, int kScale = 0, bool kPing = false>
 void run(const char* name, int sms, float* sink) {
   constexpr int kSlot = kWgs * kA + kN * 128 + kN * 4;
   const int smem = kSlots * kSlot;
-  cudaFuncSetAttribute(probe<kWgs, kN, kMode, kUnroll>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaFuncSetAttribute(probe<kWgs, kN, kMode, kUnroll, kScale, kPing>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int stages = 4096;
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
-  probe<kWgs, kN, kMode, kUnroll><<<sms, 128 * kWgs, smem>>>(64, sink);
+  probe<kWgs, kN, kMode, kUnroll, kScale, kPing><<<sms, 128 * kWgs, smem>>>(64, sink);
   cudaEventRecord(a);
-  for (int r = 0; r < 5; ++r) probe<kWgs, kN, kMode, kUnroll><<<sms, 128 * kWgs, smem>>>(stages, sink);
+  for (int r = 0; r < 5; ++r) probe<kWgs, kN, kMode, kUnroll, kScale, kPing><<<sms, 128 * kWgs, smem>>>(stages, sink);
   cudaEventRecord(b);
   cudaEventSynchronize(b);
   float ms = 0.f;
@@ -227,5 +254,15 @@ int main() {
   run<3, 128, 0>("3 wg, n128, chain 4 + wait0 + promotion", sms, sink);
   run<3, 128, 2>("3 wg, n128, one chain, wait1 a stage", sms, sink);
   run<1, 128, 0>("1 wg, n128, chain 4 + wait0 + promotion", sms, sink);
+  // session 16: the promotion's scales and ping-pong
+  run<2, 128, 0, 8, 1>("2 wg, tile loop, token scales, one fma (row bases)", sms, sink);
+  run<2, 128, 0, 8, 2>("2 wg, tile loop, row scales (tokens as M)", sms, sink);
+  run<2, 128, 0, 8, 1, true>("2 wg, tile loop, token scales, ping-pong", sms, sink);
+  run<2, 128, 0, 8, 2, true>("2 wg, tile loop, row scales, ping-pong", sms, sink);
+  run<2, 128, 1, 8, 0, true>("2 wg, chain 4 + wait0, no promotion, ping-pong", sms, sink);
+  run<2, 128, 4, 4, 2>("2 wg, two partial sets, unroll 4, row scales", sms, sink);
+  run<3, 128, 0, 8, 2>("3 wg, tile loop, row scales", sms, sink);
+  run<2, 128, 0, 8, 1>("2 wg, tile loop, token scales, one fma (again)", sms, sink);
+  run<2, 128, 0, 8, 2>("2 wg, tile loop, row scales (again)", sms, sink);
   return 0;
 }

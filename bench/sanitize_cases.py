@@ -79,6 +79,15 @@ for tile in (1, 2, 4):  # small (mma.sync for bf16), wide and 64-token wgmma til
     mxfp4_grouped_gemm(x8.reshape(E * 21, K8), p8, None, expert_offsets=torch.arange(
         0, 106, 21, dtype=torch.int32, device="cuda"), a_scale=sc8.reshape(E * 21, -1),
         fuse_swiglu=True)
+# float8 without SwiGLU, float32 out: an expert of two 256-token tiles of the wide tile (the
+# second 44 rows full), one of 5 rows, an empty one
+p8n = mxfp4_prepack(w8, s8, act_dtype=torch.float8_e4m3fn)
+x8n = torch.randn(310, K8, generator=gen).to("cuda", torch.float8_e4m3fn)
+sc8n = torch.rand(310, K8 // 128, generator=gen).cuda()
+off8 = torch.tensor([0, 300, 300, 305, 310, 310], dtype=torch.int32, device="cuda")
+for tile in (2, 4):
+    _mg._FORCE_TILE = tile
+    mxfp4_grouped_gemm(x8n, p8n, None, expert_offsets=off8, a_scale=sc8n, out_dtype=torch.float32)
 _mg._FORCE_TILE = 0
 
 torch.cuda.synchronize()

@@ -38,21 +38,24 @@
 //   small: 64 rows x 32 tokens (decode; bf16 skips the n8 steps past the expert's rows, so 1..8
 //          tokens cost one mma per weight fragment)
 //   wgmma: 2 warpgroups x 64 rows x 64 tokens (experts of a few tens of rows; see WgCfg)
-//   wide:  2 warpgroups x 64 rows x 128 tokens (large experts; bf16 two CTAs an SM, float8 one)
+//   wide:  bf16 2 warpgroups x 64 rows x 128 tokens, two CTAs an SM; float8 128 rows x 256
+//          tokens, warp-specialised with the tokens as wgmma's M (WsFp8Cfg), one CTA an SM
 // bf16 runs tiny / small on mma.sync m16n8k16 (Cfg) and the larger tiles on wgmma, whose k16
 // reduction gives bitwise the results of the mma.sync tiles (tested); float8 runs every shape on
-// wgmma (WgCfg: 1 warpgroup for tiny and small).
+// wgmma (WgCfg: 1 warpgroup for tiny and small), bitwise equal to each other.
 // Persistent grid: each CTA builds the per-expert tile prefix ON THE DEVICE from the offsets /
 // counts / masked_m (no host sync), then walks the work items (tile slot, N tile) with a grid
 // stride; slots past the device-computed total exit. Rows of a tile past the expert's count are
 // neither loaded nor stored (their shared-memory rows hold stale data that only ever feeds
 // output columns that are discarded).
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <type_traits>
 
@@ -150,10 +153,6 @@ struct WgCfg {
   static constexpr int bm = kBM;                  // tokens per CTA tile (wgmma N)
   static constexpr int stages = kStages, ahead = kAhead, min_blocks = kMinBlocks;
   static constexpr bool skew = kSkew;  // float8: the stage loop skewed by one stage (see kernel)
-  // Skewed float8 at one CTA an SM (registers to spare): the next stage is decoded under the
-  // chain as well, into a second set of A fragments (16 registers).
-  static constexpr bool decode_ahead = skew && kMinBlocks == 1;
-  static_assert(!decode_ahead || threads * 255 <= 65536, "the second fragment set's registers");
   static_assert(!skew || fp8, "only the float8 stage loop has a skewed form");
   static constexpr int w_bytes = strips * kStripStage;
   static constexpr int b_row_bytes = kBK * (fp8 ? 1 : 2);  // one token's k block: 1 or 2 panels
@@ -197,10 +196,67 @@ using WgFp8Cfg = WgCfg<true, 2, 64, 5, 3, 2, true>;
 using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
 using WgFp8SmallBaseCfg = WgCfg<true, 1, 32, 4, 3, 5>;
 using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 3, 7>;
-// Wide (tile 2, experts of >= 512 rows): 128-token tiles, one CTA an SM (accumulator + partial =
-// 128 registers a thread), each decoded weight feeding twice the tokens: +6-10% over tile 4 with
-// full tiles, -5% with 3/4-full ones (session 6 of moe_gemm_NOTES.md).
-using WgFp8WideCfg = WgCfg<true, 2, 128, 6, 4, 1, true>;
+// The float8 wide tile (tile 2, experts of >= 512 rows): warp-specialised, the tokens as wgmma's
+// M dimension (mxfp4_moe_fp8_ws_kernel). 256 tokens x 128 weight rows an item, one CTA an SM:
+// warpgroups 0 and 1 consume (tokens 128 cw .. +128 as two m64n128 chains a stage, A and B from
+// shared memory), warpgroup 2 produces (copies, and the FP4 -> e4m3 decode into the B tile).
+// Measured on the H200 (moe_gemm_NOTES.md, session 16) against the 128 x 128 register-A tile it
+// replaces (the same results, bitwise): W4A8 prefill +13-20% (gate_up), +4-15% (down). Why the
+// shape: with the tokens as M the promotion scales one accumulator row, two scale loads a stage
+// instead of 32 (probe: the promotion loop 1.1 -> 1.45 PFLOP/s), and each decoded weight feeds
+// 256 tokens, so the one producer warpgroup keeps up.
+struct WsFp8Cfg {
+  static constexpr bool wgmma = true;
+  static constexpr bool fp8 = true;
+  static constexpr bool tokens_m = true;   // (store_tile_staged: the accumulators' layout)
+  static constexpr int consumers = 256;    // warpgroups 0, 1
+  static constexpr int producers = 128;    // warpgroup 2
+  static constexpr int threads = consumers + producers;
+  static constexpr int strips = 8;         // 128 weight rows (wgmma N)
+  static constexpr int warp_strips = strips / (producers / 32);  // strips a producer warp decodes
+  static constexpr int bm = 256;           // tokens (wgmma M: 2 warpgroups x 2 chains x 64)
+  // setmaxnreg: the launch gives 168 a thread; the consumers hold 128 accumulators + 64
+  // partials, the producer decodes a strip at a time.
+  static constexpr int launch_regs = (65536 / threads) / 8 * 8;
+  static constexpr int consumer_regs = 216;
+  static constexpr int producer_regs =
+      ((threads * launch_regs - consumers * consumer_regs) / producers) / 8 * 8;
+  static_assert(producer_regs >= 72 && consumers * consumer_regs + producers * producer_regs <=
+                                           threads * launch_regs,
+                "setmaxnreg moves registers within the CTA's allocation");
+  // A slot: the token tile (by TMA, K-major, 128-byte swizzle: wgmma's A), the decoded weights
+  // (wgmma's B, the same layout), the packed words and scale bytes, the tokens' a_scale, and the
+  // weight rows' per-stage promotion factors (rows without row bases). Three slots fit; the
+  // copies run one stage ahead of the decode (a slot is refilled once the consumers released the
+  // stage two before).
+  static constexpr int stages = 3, ahead = 1;
+  static constexpr int b_bytes = bm * kBK;              // tokens
+  static constexpr int a_bytes = strips * 16 * kBK;     // decoded weights
+  static constexpr int w_bytes = strips * kStripStage;  // packed weights and scale bytes
+  static constexpr int s_bytes = 1536;                  // a_scale (1 KB), factors (512 B), pad
+  static constexpr int a_off = b_bytes, w_off = a_off + a_bytes, s_off = w_off + w_bytes;
+  static constexpr int f_off = s_off + bm * 4;
+  static_assert(bm * 4 + strips * 16 * 4 <= s_bytes, "scales and factors in the slot");
+  static constexpr int slot_bytes = s_off + s_bytes;
+  static constexpr int pipe_bytes = stages * slot_bytes;
+  static constexpr int acc_regs = bm / 2;  // a consumer thread's 2 chains x 64
+  // Named barriers: full[s][cw] = 1 + 2 s + cw, empty[s] = 1 + 2 stages + s, the item's end, the
+  // consumers. The consumer warpgroups take turns issuing a stage's first chain (ping-pong):
+  // full[s][0] completes when the producer handed slot s over AND warpgroup 1 issued its chain of
+  // the stage before (count producers + 256); full[s][1] when warpgroup 0 issued its chain of slot
+  // s (256), which also means the slot is full.
+  static constexpr int bar_full = 1, bar_empty = 1 + 2 * stages, bar_item = 1 + 3 * stages,
+                       bar_cons = 2 + 3 * stages;
+  static constexpr int full0_count = producers + 256, full1_count = 256;
+  static_assert(bar_cons < 16, "16 named barriers");
+  static_assert(slot_bytes % 1024 == 0 && b_bytes % 1024 == 0 && a_bytes % 1024 == 0,
+                "swizzled operand tiles on 1024-byte boundaries");
+  static constexpr int max_experts = static_cast<int>(kMxfp4CudaMaxExperts);
+  static_assert(pipe_bytes + (3 * max_experts + 1) * 4 + 1024 + 256 * 8 + 64 <= 227 * 1024,
+                "shared memory budget (ring, schedule, 2 KB of byte tables, mbarriers)");
+  static_assert(bm * (strips * 16 * 4 + 16) <= pipe_bytes, "output tile fits the ring");
+  static_assert(kMxfp4RowBaseGroup == 64 && strips == 8, "a tile is two row-base groups");
+};
 
 // ---- PTX wrappers (the shared ones are in ptx.cuh) ---------------------------------------
 // 4 bytes global -> shared when `issue` (predicated, no branch), zero-filled when !valid (src
@@ -786,7 +842,24 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 // a [token][column] tile of the output dtype, then leave as 16-byte row chunks: the fragments'
 // own stores would be 2-4-byte scatters (swap-AB puts tokens across lanes). Rows past tile_rows
 // and columns past n_out are not written; a misaligned output takes element stores.
-template <class C>
+// Named barrier `id` over `n` threads (id 0 with n = the block: __syncthreads).
+template <int kId, int kN>
+__device__ __forceinline__ void bar_sync() {
+  if constexpr (kId == 0)
+    __syncthreads();
+  else
+    asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kN) : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+// (kThreads / kBar: the threads that run it and their barrier; the warp-specialised tile runs it
+// on its consumer warpgroups only.)
+template <class C, int kThreads = C::threads, int kBar = 0>
 __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, bool out_bf16,
                                                   int n_out, uint8_t* smem, int strip0,
                                                   int tile_row0, int tile_rows,
@@ -806,7 +879,35 @@ __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, 
     else
       *reinterpret_cast<float*>(d) = v;
   };
-  if (strip_active) {
+  constexpr bool kTokensM = [] {
+    if constexpr (requires { C::tokens_m; }) return C::tokens_m; else return false;
+  }();
+  if constexpr (kTokensM) {
+    // Tokens as M: warpgroup cw, chain h: acc[64 h + 4 j + x] is token bm/2 cw + 64 h + 16 (warp
+    // % 4) + g + 8 (x / 2), weight row 8 j + 2 t + x % 2 of the tile (strip j / 2, in-strip row
+    // 8 (j % 2) + 2 t + x % 2: SwiGLU gate for j even, its up in j + 1).
+#pragma unroll
+    for (int h = 0; h < C::bm / 128; ++h) {
+      const int tok0 = (sidx >> 2) * (C::bm / 2) + 64 * h + 16 * (sidx & 3) + g;
+      if (tok0 >= tile_rows) continue;  // (tok0 + 8 is checked below)
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int tok = tok0 + 8 * (x >> 1);
+          if (tok >= tile_rows) continue;
+          const float* c = acc + 64 * h + 4 * j + x;
+          if (p.fuse_swiglu) {
+            if (j % 2 == 0)
+              put(tok, (j / 2) * 8 + 2 * t + (x & 1),
+                  swiglu(c[0], c[4], p.has_swiglu_limit, p.swiglu_limit));
+          } else {
+            put(tok, 8 * j + 2 * t + (x & 1), c[0]);
+          }
+        }
+      }
+    }
+  } else if (strip_active) {
     const int nj = (tile_rows + 7) / 8;
 #pragma unroll
     for (int j = 0; j < C::bm / 8; ++j) {
@@ -815,12 +916,12 @@ __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, 
                          [&](int tok, int col, auto value) { put(tok, col, value()); });
     }
   }
-  __syncthreads();
+  bar_sync<kBar, kThreads>();
   const int cols_here = min(cols, n_out - col0);  // > 0: the tile has a valid strip
   const int chunks = cols * esize / 16;           // 16-byte chunks of a token row
   const bool vec = (reinterpret_cast<uintptr_t>(p.out) & 15) == 0 && (n_out * esize) % 16 == 0;
   uint8_t* out = static_cast<uint8_t*>(p.out);
-  for (int i = tid; i < tile_rows * chunks; i += C::threads) {
+  for (int i = tid; i < tile_rows * chunks; i += kThreads) {
     const int r = i / chunks, ch = i - r * chunks;
     const int c = ch * (16 / esize);  // first column of the chunk
     if (c >= cols_here) continue;
@@ -837,7 +938,7 @@ __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, 
       }
     }
   }
-  __syncthreads();  // the next item's prologue overwrites the ring
+  bar_sync<kBar, kThreads>();  // the next item's prologue overwrites the ring
 }
 
 // ---- the wgmma tile ----------------------------------------------------------------------------
@@ -1039,10 +1140,9 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       // and read kt+1's weights and scale bytes; only the promotion waits for the chain. Two
       // stages are then live at a refill (kt: its token scales, kt+1), so loads run ahead <=
       // stages - 2. (Measured on the H200: +8-15% with 64- and 128-token tiles; -4 to -9% with
-      // the 8- and 32-token decode tiles, whose chains are too short to hide anything.) The wide
-      // tile (C::decode_ahead) also decodes stage kt+1 under the chain, into a second fragment
-      // set: +1-3% (session 12); issuing each k32 group's wgmma right after its decode instead
-      // was 1-7% slower on every float8 tile (a wgmma.fence a group).
+      // the 8- and 32-token decode tiles, whose chains are too short to hide anything.) Issuing
+      // each k32 group's wgmma right after its decode instead was 1-7% slower on every float8
+      // tile (a wgmma.fence a group).
       static_assert(C::ahead <= C::stages - 1 - (C::skew ? 1 : 0),
                     "float8: the stages live at a refill stay out of its slot");
       // (The token scales are re-read from shared memory rather than held: at 64 tokens 16 more
@@ -1136,38 +1236,13 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
             wr_slot = wr_slot == C::stages - 1 ? 0 : wr_slot + 1;
           };
           next_stage_rt(0, 0);
-          if constexpr (C::decode_ahead) {
-            // Stage kt+1 is also decoded under the chain of kt, into the other of two fragment
-            // sets (two stages an iteration, so that each set keeps its registers): the chain of
-            // kt+1 issues right after kt's promotion.
-            uint32_t fr[2][4][4];
-            float fg[2], f8[2];
-            decode_stage(row_based_c, fr[0], fg[0], f8[0]);
-            auto one = [&](int kt, auto cur_c) {
-              constexpr int c = decltype(cur_c)::value;
-              const int nxt = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
-              chain_stage(row_based_c, fr[c], fg[c], f8[c], rd_slot, [&] {
-                if (kt + 1 < kt_total) {
-                  next_stage_rt(kt + 1, nxt);
-                  decode_stage(row_based_c, fr[c ^ 1], fg[c ^ 1], f8[c ^ 1]);
-                }
-              });
-              rd_slot = nxt;
-            };
 #pragma unroll 1
-            for (int kt = 0; kt < kt_total; kt += 2) {
-              one(kt, std::integral_constant<int, 0>{});
-              if (kt + 1 < kt_total) one(kt + 1, std::integral_constant<int, 1>{});
-            }
-          } else {
-#pragma unroll 1
-            for (int kt = 0; kt < kt_total; ++kt) {
-              const int nxt = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
-              run_stage(row_based_c, rd_slot, [&] {
-                if (kt + 1 < kt_total) next_stage_rt(kt + 1, nxt);
-              });
-              rd_slot = nxt;
-            }
+          for (int kt = 0; kt < kt_total; ++kt) {
+            const int nxt = rd_slot == C::stages - 1 ? 0 : rd_slot + 1;
+            run_stage(row_based_c, rd_slot, [&] {
+              if (kt + 1 < kt_total) next_stage_rt(kt + 1, nxt);
+            });
+            rd_slot = nxt;
           }
         } else {
           // The decode tiles: `stages` stages an iteration, stage kt in slot kt % stages, its
@@ -1200,17 +1275,319 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   }
 }
 
+// ---- the warp-specialised float8 wide tile (tokens as M) ---------------------------------------
+// The kernel's parameters: the GEMM's, and the token tile's tensor map (a __grid_constant__
+// parameter, so that every launch carries its own and the TMA reads it from parameter space).
+struct WsFp8Params {
+  Mxfp4CudaGemmParams p;
+  CUtensorMap tokens;  // (64-byte aligned by its type) a (uint8) [rows, k]: boxes of 128 k x 256 rows, 128B swizzle
+};
+
+// WsFp8Cfg's tile. Producer (warpgroup 2), per 128-k stage, `ahead` stages before its decode: the
+// token tile by one 2-D tensor copy (thread 0; completes on the slot's mbarrier), the 8 strips'
+// packed words and scale bytes (warp p: strips 2p, 2p + 1) and the tokens' a_scale by cp.async;
+// then it decodes its strips to e4m3 with the byte tables into the slot's B tile, at row 16 strip
+// + r (K-major, 128-byte swizzle; a row is a weight row, so the tile is wgmma's B as stored), waits
+// for the token tile and hands the slot over. Consumers (warpgroups 0, 1): per stage, for each of
+// their two 64-token halves, wgmma m64n128k32 x 4 (A: the token rows, B: the decoded weights) from
+// zero, retired (wait<0>) and promoted: acc = fma(partial [x 2^(b - 133) of the column's weight
+// row, per-stage bases], a_scale of the row's token, acc). One base rule for the whole tile (row
+// bases only where both 64-row groups have them): the rules give the same results, bitwise.
+// The e4m3 values, the wgmma k32 chains and the promotion order are those of every other float8
+// tile, so the results are bitwise theirs (tested).
+// Slot s is handed over by named barriers: full[s][cw] (the producer arrives once its decode is
+// stored and fenced and the token tile landed; see WsFp8Cfg for the turn the consumers pass) and
+// empty[s] (the consumers arrive after their last read of the slot; the producer waits before
+// refilling it: only for the refills that exist, so both sides count the same arrivals).
+__global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
+    mxfp4_moe_fp8_ws_kernel(const __grid_constant__ WsFp8Params prm) {
+  using C = WsFp8Cfg;
+  const Mxfp4CudaGemmParams& p = prm.p;
+  extern __shared__ __align__(1024) uint8_t ws_smem[];
+  uint8_t* smem = ws_smem;
+  __shared__ uint2 luts[kE4m3Luts];
+  __shared__ __align__(8) uint64_t tokens_mb[C::stages];  // the token tiles' TMA completions
+  e4m3_lut_init(reinterpret_cast<uint8_t*>(luts));
+  if (threadIdx.x == 0) {
+    if ((smem_u32(smem) & 1023u) != 0) __trap();
+    for (int i = 0; i < C::stages; ++i) mbar_init(smem_u32(&tokens_mb[i]), 1);
+    mbar_init_fence();
+  }
+  const Schedule<C> sch(p, smem + C::pipe_bytes);  // (its barrier publishes the above)
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t items = sch.items;
+  const int k = static_cast<int>(p.k);
+  const int kt_total = static_cast<int>(p.k_pad / kBK);
+  const int64_t kb_total = sch.kb_total;
+  // Row bases for the whole tile: both 64-row groups have them (a group's first row marks it).
+  auto tile_row_based = [](const ItemTile& w) {
+    return w.row_base != nullptr && w.row_base[0] != 0 &&
+           (w.strips_valid <= 4 || w.row_base[64] != 0);
+  };
+
+  if (tid >= C::consumers) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::producer_regs));
+    const int ptid = tid - C::consumers, pw = ptid >> 5;
+    constexpr int kS = C::warp_strips;
+    uint32_t phases = 0;  // the parity each slot's mbarrier completes next
+#pragma unroll 1
+    for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
+      const ItemTile w = sch.tile_of(p, it);
+      const bool row_based = tile_row_based(w);
+      // Copies: warp pw the 68 chunks of its strips (a strip past the weights copies strip 0,
+      // unread); thread ptid the a_scale of tokens ptid and ptid + 128 (zero past the tile).
+      const uint8_t* w_next[kS];
+      uint32_t rb[kS];  // rows g, g + 8 of strip kS pw + h: their row bases (low / high half)
+#pragma unroll
+      for (int h = 0; h < kS; ++h) {
+        const int strip = kS * pw + h;
+        const bool valid = strip < w.strips_valid;
+        w_next[h] = w.wtile + static_cast<int64_t>(valid ? strip : 0) * kb_total * kBlk + lane * 16;
+        rb[h] = row_based && valid
+                    ? w.row_base[strip * 16 + g] | uint32_t{w.row_base[strip * 16 + g + 8]} << 16
+                    : 0u;
+      }
+      const bool s_row0 = ptid < w.tile_rows, s_row1 = ptid + 128 < w.tile_rows;
+      const float* s_next =
+          p.a_scale + (s_row0 ? static_cast<int64_t>(w.tile_row0 + ptid) * (k / kBK) : 0);
+      const int64_t s_step1 = s_row1 ? 128 * (k / kBK) : 0;
+      auto copy_stage = [&](int kt, int slot) {
+        const uint32_t base = smem_u32(smem) + slot * C::slot_bytes;
+        if (ptid == 0) {
+          const uint32_t bar = smem_u32(&tokens_mb[slot]);
+          mbar_arrive_expect_tx(bar, C::b_bytes);
+          tma_load_2d(base, &prm.tokens, kt * kBK, w.tile_row0, bar);
+        }
+#pragma unroll
+        for (int h = 0; h < kS; ++h) {
+          const uint32_t dst = base + C::w_off + (kS * pw + h) * kStripStage + lane * 16;
+          cp_async16(dst, w_next[h], true);
+          cp_async16(dst + 512, w_next[h] + 512, true);
+          cp_async16_if(dst + 1024, w_next[h] + 1024, lane + 64 < kStripChunks);
+          w_next[h] += kStripStage;
+        }
+        cp_async4_if(base + C::s_off + ptid * 4, s_next, true, s_row0);
+        cp_async4_if(base + C::s_off + (ptid + 128) * 4, s_next + s_step1, true, s_row1);
+        ++s_next;
+      };
+      // Strip kS pw + h of the stage in `slot`: its words and scale bytes -> e4m3 rows 16 strip +
+      // g (+ 8), k 32 q + 16 hh + 4 t (the places the A fragments of the register tiles hold), a
+      // strip at a time (72 registers); per-stage bases also leave the rows' factors 2^(b - 133).
+      auto decode_strip = [&](uint8_t* base, int h) {
+        const int strip = kS * pw + h;
+        const uint8_t* ws = base + C::w_off + strip * kStripStage;
+        const uint4 wq0 = *reinterpret_cast<const uint4*>(ws + lane * 16);
+        const uint4 wq1 = *reinterpret_cast<const uint4*>(ws + kBlk + lane * 16);
+        const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ws + 512 + g * 4);
+        const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(ws + kBlk + 512 + g * 4);
+        const uint32_t sg = __byte_perm(sc0, sc1, 0x5410u);  // row g
+        const uint32_t s8 = __byte_perm(sc0, sc1, 0x7632u);  // row g + 8
+        const uint32_t bg = row_based ? rb[h] & 0xffu : max_byte(sg);
+        const uint32_t b8 = row_based ? rb[h] >> 16 : max_byte(s8);
+        if (!row_based && t == 0) {
+          float* f = reinterpret_cast<float*>(base + C::f_off) + strip * 16 + g;
+          f[0] = exp2_b_minus_133(bg);
+          f[8] = exp2_b_minus_133(b8);
+        }
+        const uint32_t dg = bg * 0x01010101u - sg, d8 = b8 * 0x01010101u - s8;
+        uint2 lg[4], l8[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          lg[q] = luts[(dg >> (8 * q)) & 0xffu];
+          l8[q] = luts[(d8 >> (8 * q)) & 0xffu];
+        }
+        uint8_t* row = base + C::a_off + (strip * 16 + g) * 128 + 4 * t;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            uint32_t rg, r8;
+            decode_e4m3_lut(word_of(q < 2 ? wq0 : wq1, 2 * (q & 1) + hh), lg[q], l8[q], rg, r8);
+            const int chunk = ((2 * q + hh) ^ g) << 4;  // rows g and g + 8: row % 8 = g
+            *reinterpret_cast<uint32_t*>(row + chunk) = rg;
+            *reinterpret_cast<uint32_t*>(row + 8 * 128 + chunk) = r8;
+          }
+        }
+      };
+#pragma unroll 1
+      for (int st = 0; st < C::ahead; ++st) {
+        if (st < kt_total) copy_stage(st, st);
+        cp_async_commit();
+      }
+      int slot = 0;
+#pragma unroll 1
+      for (int kt = 0; kt < kt_total; ++kt) {
+        const int nk = kt + C::ahead;
+        if (nk < kt_total) {
+          const int nslot = nk % C::stages;
+          if (nk >= C::stages) bar_sync(C::bar_empty + nslot, C::threads);  // stage nk - stages read
+          copy_stage(nk, nslot);
+        }
+        cp_async_commit();
+        cp_async_wait<C::ahead>();  // this thread's copies of stage kt
+        __syncwarp();               // ... and its warp's: the strips it decodes
+#pragma unroll
+        for (int h = 0; h < kS; ++h) decode_strip(smem + slot * C::slot_bytes, h);
+        wgmma::fence_proxy_async();  // decoded stores and cp.async data -> the tensor cores' reads
+        mbar_wait(smem_u32(&tokens_mb[slot]), (phases >> slot) & 1u);  // the token tile landed
+        phases ^= 1u << slot;
+        bar_arrive(C::bar_full + 2 * slot, C::full0_count);  // warpgroup 0 (1 follows it)
+        slot = slot == C::stages - 1 ? 0 : slot + 1;
+      }
+      bar_sync(C::bar_item, C::threads);  // the consumers' epilogue is done with the ring
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::consumer_regs));
+  const int cw = warp >> 2;
+  // Warpgroup 0 issues the kernel's first chain: the turn for it is given up front.
+  if (cw == 1 && blockIdx.x < items) bar_arrive(C::bar_full, C::full0_count);
+#pragma unroll 1
+  for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
+    const ItemTile w = sch.tile_of(p, it);
+    const bool last_item = it + gridDim.x >= items;
+    const bool row_based = tile_row_based(w);
+    float acc[C::acc_regs];
+#pragma unroll
+    for (int i = 0; i < C::acc_regs; ++i) acc[i] = 0.f;
+    auto stage_loop = [&](auto row_based_c) {
+      constexpr bool kRowBased = decltype(row_based_c)::value;
+      auto next = [](int slot) { return slot == C::stages - 1 ? 0 : slot + 1; };
+      // Half h (tokens 128 cw + 64 h ..) of the stage in `slot`: its chain into `part`.
+      auto chain = [&](const uint8_t* base, int h, float(&part)[64]) {
+        const uint64_t da = wgmma::desc_sw128(smem_u32(base + (cw * 128 + 64 * h) * 128), 16, 1024);
+        const uint64_t db = wgmma::desc_sw128(smem_u32(base + C::a_off), 16, 1024);
+        wgmma::fence();
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint64_t desc[2] = {da + 2 * q, db + 2 * q};
+          wgmma::fence_operands(desc);
+          if (q == 0)
+            wgmma::wgmma_m64n128k32_e4m3_ss_zero(part, desc[0], desc[1]);
+          else
+            wgmma::wgmma_m64n128k32_e4m3_ss(part, desc[0], desc[1], true);
+        }
+        wgmma::commit();
+      };
+      // Half h's retired partials into the accumulators: rows g, g + 8 of this warp's 16 tokens,
+      // columns (weight rows) 8 j + 2 t, +1.
+      auto promote = [&](const uint8_t* base, int h, const float(&part)[64]) {
+        const float* sst = reinterpret_cast<const float*>(base + C::s_off) + cw * 128 + 64 * h +
+                           (warp & 3) * 16 + g;
+        const float sg = sst[0], s8 = sst[8];
+        const float* fcol = reinterpret_cast<const float*>(base + C::f_off) + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          float2 f = make_float2(1.f, 1.f);
+          if constexpr (!kRowBased) f = *reinterpret_cast<const float2*>(fcol + 8 * j);
+          auto sc = [](float x, float y) { return kRowBased ? x : x * y; };
+          float* a = acc + 64 * h + 4 * j;
+          a[0] = fmaf(sc(part[4 * j + 0], f.x), sg, a[0]);
+          a[1] = fmaf(sc(part[4 * j + 1], f.y), sg, a[1]);
+          a[2] = fmaf(sc(part[4 * j + 2], f.x), s8, a[2]);
+          a[3] = fmaf(sc(part[4 * j + 3], f.y), s8, a[3]);
+        }
+      };
+      int slot = 0;
+#pragma unroll 1
+      for (int kt = 0; kt < kt_total; ++kt) {
+        bar_sync(C::bar_full + 2 * slot + cw, cw == 0 ? C::full0_count : C::full1_count);
+        const uint8_t* base = smem + slot * C::slot_bytes;
+        float part[64];
+        chain(base, 0, part);
+        // The turn passes to the other warpgroup: 1 may issue this slot's chain; 0 the next
+        // stage's (the next item's first; none after the kernel's last chain).
+        if (cw == 0)
+          bar_arrive(C::bar_full + 2 * slot + 1, C::full1_count);
+        else if (!(last_item && kt == kt_total - 1))
+          bar_arrive(C::bar_full + 2 * (kt + 1 < kt_total ? next(slot) : 0), C::full0_count);
+        wgmma::wait<0>();
+        wgmma::fence_operands(part);
+        promote(base, 0, part);
+        chain(base, 1, part);  // (the first half's partials are promoted: the same registers)
+        wgmma::wait<0>();
+        wgmma::fence_operands(part);
+        promote(base, 1, part);
+        if (kt + C::stages < kt_total) bar_arrive(C::bar_empty + slot, C::threads);
+        slot = next(slot);
+      }
+    };
+    if (row_based) {
+      stage_loop(std::true_type{});
+      // The columns' (weight rows') 2^(B - 133) (rows past the tile's strips: never stored).
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int n = 8 * j + 2 * t + u;
+          const float f = n < 16 * w.strips_valid ? exp2_b_minus_133(w.row_base[n]) : 0.f;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            acc[64 * h + 4 * j + u] *= f;
+            acc[64 * h + 4 * j + 2 + u] *= f;
+          }
+        }
+    } else {
+      stage_loop(std::false_type{});
+    }
+    bar_sync<C::bar_cons, C::consumers>();  // every consumer's last read of the ring
+    const bool out_bf16 = p.out_dtype == DType::kBFloat16;
+    const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
+    store_tile_staged<C, C::consumers, C::bar_cons>(p, out_bf16, n_out, smem, w.strip0,
+                                                    w.tile_row0, w.tile_rows, true, acc);
+    bar_arrive(C::bar_item, C::threads);
+  }
+}
+
 // ---- host side ---------------------------------------------------------------------------------
 constexpr int kMaxDevices = 64;
 
 int64_t schedule_smem_bytes(int64_t num_experts) { return (3 * num_experts + 1) * 4; }
 
+// The float8 token rows a ([m, k], or [num_experts, cap, k] masked: p.m is ignored there) as a
+// 2-D tensor map with boxes of 128 k x `box_rows` rows and the 128-byte swizzle (wgmma's K-major
+// layout); rows past the tensor read as zeros. Encoded through the runtime's driver entry point,
+// so that the extension needs no libcuda link.
+CUtensorMap token_tensor_map(const Mxfp4CudaGemmParams& p, int box_rows) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                              const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                              const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                              CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    ZI_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                   cudaEnableDefault, &q));
+    ZI_CHECK(q == cudaDriverEntryPointSuccess && fn != nullptr,
+             "cuTensorMapEncodeTiled not found in the CUDA driver");
+    return reinterpret_cast<Encode>(fn);
+  }();
+  const int64_t rows = p.masked_m != nullptr ? p.num_experts * p.cap : p.m;
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.k)};  // bytes (e4m3)
+  const cuuint32_t box[2] = {kBK, static_cast<cuuint32_t>(box_rows)}, estr[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(p.a), dims,
+                            strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  ZI_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the float8 token rows");
+  return map;
+}
+
 // One launch of config C; kWide as in mxfp4_moe_kernel (float8 has one variant: its decode
 // takes the scales through the byte tables).
 template <class C, bool kWide>
 void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
-  void (*kernel)(const Mxfp4CudaGemmParams);
-  if constexpr (C::wgmma)
+  constexpr bool kWs = std::is_same_v<C, WsFp8Cfg>;
+  using Params = std::conditional_t<kWs, WsFp8Params, Mxfp4CudaGemmParams>;
+  void (*kernel)(const Params);
+  if constexpr (kWs)
+    kernel = mxfp4_moe_fp8_ws_kernel;
+  else if constexpr (C::wgmma)
     kernel = mxfp4_moe_wgmma_kernel<C, kWide>;
   else
     kernel = mxfp4_moe_kernel<C, kWide>;
@@ -1235,8 +1612,9 @@ void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mu);
     if (sm_count[dev] == 0) {
       ZI_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
-      const int max_smem = static_cast<int>(C::pipe_bytes +
-                                            schedule_smem_bytes(kMxfp4CudaMaxExperts));
+      int64_t max_e = kMxfp4CudaMaxExperts;
+      if constexpr (requires { C::max_experts; }) max_e = C::max_experts;
+      const int max_smem = static_cast<int>(C::pipe_bytes + schedule_smem_bytes(max_e));
       ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
     }
@@ -1250,7 +1628,12 @@ void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   }
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(items_bound,
                                                               int64_t{sms} * blocks_per_sm));
-  kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
+  if constexpr (kWs) {
+    const WsFp8Params prm{p, token_tensor_map(p, C::bm)};
+    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(prm);
+  } else {
+    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
+  }
   ZI_CUDA_CHECK_LAUNCH("mxfp4_moe_kernel");
 }
 
@@ -1338,7 +1721,7 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
       else
         launch<SmallBaseCfg>(q, s);
     } else if (fp8) {
-      launch_tile<WgFp8SmallCfg, WgFp8WideCfg, WgFp8TinyCfg, WgFp8Cfg>(tile, q, s);
+      launch_tile<WgFp8SmallCfg, WsFp8Cfg, WgFp8TinyCfg, WgFp8Cfg>(tile, q, s);
     } else {
       launch_tile<SmallCfg, WgBf16WideCfg, TinyCfg, WgBf16Cfg>(tile, q, s);
     }

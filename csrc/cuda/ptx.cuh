@@ -1,4 +1,5 @@
-// PTX wrappers the Hopper kernels share: shared-memory addresses, cp.async, exact bf16x2 products.
+// PTX wrappers the Hopper kernels share: shared-memory addresses, cp.async, mbarriers and tensor
+// copies, exact bf16x2 products.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +36,49 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- mbarriers and tensor (TMA) copies ----------------------------------------------------------
+// An mbarrier counts arrivals and, for bulk copies, transaction bytes; a phase completes when
+// both reach zero. Waiters name the phase by its parity (a fresh barrier is in phase 0).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes the initialisations visible to the async proxy (the copies that complete on them).
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival that also announces `bytes` of copy transactions still to land.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "ZI_MBAR_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra ZI_MBAR_WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// The box of a 2-D tensor map at (x = innermost coordinate, y) -> shared memory at `dst`, by the
+// copy engine, completing as transactions on the mbarrier `bar`. `tmap`: a CUtensorMap in
+// parameter (a __grid_constant__ kernel parameter), constant or global memory.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, int x, int y,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
 }
 
 // 2^x for the softmax's per-score exponentials: one MUFU.EX2. exp2f adds a range test and two
