@@ -196,7 +196,7 @@ using WgFp8Cfg = WgCfg<true, 2, 64, 5, 3, 2, true>;
 using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
 using WgFp8SmallBaseCfg = WgCfg<true, 1, 32, 4, 3, 5>;
 using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 3, 7>;
-// The float8 wide tile (tile 2, experts of >= 512 rows): warp-specialised, the tokens as wgmma's
+// The float8 wide tile (tile 2, experts of >= 129 rows): warp-specialised, the tokens as wgmma's
 // M dimension (mxfp4_moe_fp8_ws_kernel). 256 tokens x 128 weight rows an item, one CTA an SM:
 // warpgroups 0 and 1 consume (tokens 128 cw .. +128 as two m64n128 chains a stage, A and B from
 // shared memory), warpgroup 2 produces (copies, and the FP4 -> e4m3 decode into the B tile).

@@ -296,7 +296,7 @@ def test_cuda_plan():
     expert (tiny below 4; masked: the capacity alone), then one launch per higher tier that some
     expert can reach and whose work pays for a launch: small (1) from 9 rows (64 rows in all),
     wgmma (4) from 33 bf16 / 32 float8 rows (256 in all), wide (2) from 65 bf16 (512 in all) /
-    512 float8 rows (1024 in all); a requested tile runs all."""
+    129 float8 rows (1024 in all); a requested tile runs all."""
     def plan(fp8=False, masked=False, m=0, cap=0, requested=0, E=256):
         return tuple(tuple(t) for t in _C.mxfp4_cuda_plan(
             fp8=fp8, masked=masked, m=m, num_experts=E, cap=cap, requested=requested))
@@ -314,11 +314,12 @@ def test_cuda_plan():
     assert plan(m=10**6) == ((2, 0),)
     assert plan(fp8=True, m=255) == ((3, 0), (1, 9))
     assert plan(fp8=True, m=1000) == ((3, 0), (1, 9), (4, 32))
-    assert plan(fp8=True, m=4096) == ((1, 0), (4, 32), (2, 512))  # float8: from 32 rows
-    assert plan(fp8=True, m=31 * 256) == ((1, 0), (4, 32), (2, 512))
-    assert plan(fp8=True, m=32 * 256) == ((4, 0), (2, 512))
+    assert plan(fp8=True, m=4096) == ((1, 0), (4, 32), (2, 129))  # float8: from 32 rows
+    assert plan(fp8=True, m=31 * 256) == ((1, 0), (4, 32), (2, 129))
+    assert plan(fp8=True, m=32 * 256) == ((4, 0), (2, 129))
+    assert plan(fp8=True, m=129 * 256) == ((2, 0),)                # every expert on wide tiles
     assert plan(fp8=True, m=512 * 256) == ((2, 0),)
-    assert plan(fp8=True, m=3000, E=1000) == ((3, 0), (1, 9), (4, 32), (2, 512))
+    assert plan(fp8=True, m=3000, E=1000) == ((3, 0), (1, 9), (4, 32), (2, 129))
     assert plan(masked=True, cap=8, E=8) == ((3, 0),)
     assert plan(masked=True, cap=32, E=8) == ((1, 0),)
     assert plan(masked=True, cap=33, E=8) == ((4, 0),)
@@ -327,7 +328,8 @@ def test_cuda_plan():
     assert plan(masked=True, cap=5000, E=8) == ((2, 0),)
     assert plan(fp8=True, masked=True, cap=9, E=8) == ((1, 0),)
     assert plan(fp8=True, masked=True, cap=32, E=8) == ((4, 0),)
-    assert plan(fp8=True, masked=True, cap=512, E=8) == ((2, 0),)
+    assert plan(fp8=True, masked=True, cap=128, E=8) == ((4, 0),)
+    assert plan(fp8=True, masked=True, cap=129, E=8) == ((2, 0),)
     assert plan(m=10, requested=2) == ((2, 0),)
     assert plan(m=100000, requested=1) == ((1, 0),)
 
@@ -715,10 +717,10 @@ def test_cuda_split_plan(gen, tile, masked, dtype):
 def test_cuda_every_tier(gen, tile, dtype):
     """A routing that reaches every tier of the plan at once (tiny, small, wgmma, wide: four
     launches over 600 experts, each computing only its own experts and skipping the others on the
-    device), with tier boundaries hit exactly (8 / 9, 32 / 33 or 31 / 32, 64 / 65 or 511 / 512
+    device), with tier boundaries hit exactly (8 / 9, 32 / 33 or 31 / 32, 64 / 65 or 128 / 129
     rows): right against the reference, and bitwise what one tile gives."""
     E = 600  # (fewer than 4 rows an expert on average: the tiny tile is the base)
-    thr, wide = (33, 65) if dtype == torch.bfloat16 else (32, 512)
+    thr, wide = (33, 65) if dtype == torch.bfloat16 else (32, 129)
     counts = [0] * E
     for e, n in zip((0, 3, 50, 51, 100, 101, 200, 201, 300, 599, 7),
                     (1, 8, 9, 20, thr - 1, thr, 100, wide - 1, wide, 700, 3)):

@@ -172,9 +172,10 @@ struct Mxfp4CudaGemmParams {
 //              decode: 32 tokens on 6 experts 81 -> see the notes);
 //   wgmma (4)  from 33 (bf16) / 32 (float8) rows: 64-token wgmma tiles (bf16 at 48 rows: 1.25x
 //              the 128-token tile, 1.6x the small one);
-//   wide (2)   from 65 (bf16) / 512 (float8) rows: 128-token tiles; bf16 two CTAs an SM (1.27x
-//              the 64-token tile at 96 rows), float8 one (+6-10% over tile 4 with full tiles,
-//              -5% at 192 rows).
+//   wide (2)   from 65 (bf16) / 129 (float8) rows: bf16 128-token tiles two CTAs an SM (1.27x
+//              the 64-token tile at 96 rows); float8 256-token warp-specialised tiles (against
+//              tile 4, session 16: 0.71x at 96 rows, 1.13-1.16x at 192, 1.05-1.10x at 384; from
+//              129 rows tile 4 needs 3 tiles an expert where the wide tile needs one).
 // The base tile follows the average rows per active expert (contiguous: m / E, i.e. tiny below
 // 4; masked: the capacity decides alone, one launch). The tiers above it: small from 64 rows in
 // all, wgmma from 256 (bf16 also pays a k-slot copy of the activations there), wide from 512
@@ -195,7 +196,7 @@ inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t n
   }
   constexpr int64_t kSmallRows = 9;  // the tiny tile holds 8 tokens
   const int64_t wgmma_rows = fp8 ? 32 : 33;
-  const int64_t wide_rows = fp8 ? 512 : 65;
+  const int64_t wide_rows = fp8 ? 129 : 65;
   const int64_t wide_min_m = fp8 ? 1024 : 512;
   // Tiers by the rows an expert holds: (first row count, tile, fewest rows in all for the tier
   // to be worth its own launch).
