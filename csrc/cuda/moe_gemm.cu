@@ -1280,7 +1280,9 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 // parameter, so that every launch carries its own and the TMA reads it from parameter space).
 struct WsFp8Params {
   Mxfp4CudaGemmParams p;
-  CUtensorMap tokens;  // (64-byte aligned by its type) a (uint8) [rows, k]: boxes of 128 k x 256 rows, 128B swizzle
+  // a (e4m3 as uint8) [rows, k]: boxes of 128 k x 256 rows, 128-byte swizzle (64-byte aligned
+  // by its type, as the TMA needs)
+  CUtensorMap tokens;
 };
 
 // WsFp8Cfg's tile. Producer (warpgroup 2), per 128-k stage, `ahead` stages before its decode: the
@@ -1422,7 +1424,8 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         const int nk = kt + C::ahead;
         if (nk < kt_total) {
           const int nslot = nk % C::stages;
-          if (nk >= C::stages) bar_sync(C::bar_empty + nslot, C::threads);  // stage nk - stages read
+          // (the slot's stage nk - stages was read)
+          if (nk >= C::stages) bar_sync(C::bar_empty + nslot, C::threads);
           copy_stage(nk, nslot);
         }
         cp_async_commit();
