@@ -107,17 +107,7 @@ __global__ void __launch_bounds__(128 * kWgs, 1) probe(int stages, float* sink) 
   };
   // One stage's chain of 4 k32 wgmmas (SS, n128) into `part`, from zero, committed as one group.
   auto chain_from_zero = [&](uint64_t da, uint64_t db, auto& part) {
-    wgmma::fence();
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      uint64_t desc[2] = {da + 2 * q, db + 2 * q};
-      wgmma::fence_operands(desc);
-      if (q == 0)
-        wgmma::wgmma_m64n128k32_e4m3_ss_zero(part, desc[0], desc[1]);
-      else
-        wgmma::wgmma_m64n128k32_e4m3_ss(part, desc[0], desc[1], true);
-    }
-    wgmma::commit();
+    wgmma::chain_m64n128k128_e4m3_ss(part, da, db);
   };
   if constexpr (kMode == 4) {
     static_assert(kN == 128, "two 64-register partial sets");

@@ -1463,17 +1463,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
       auto chain = [&](const uint8_t* base, int h, float(&part)[64]) {
         const uint64_t da = wgmma::desc_sw128(smem_u32(base + (cw * 128 + 64 * h) * 128), 16, 1024);
         const uint64_t db = wgmma::desc_sw128(smem_u32(base + C::a_off), 16, 1024);
-        wgmma::fence();
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          uint64_t desc[2] = {da + 2 * q, db + 2 * q};
-          wgmma::fence_operands(desc);
-          if (q == 0)
-            wgmma::wgmma_m64n128k32_e4m3_ss_zero(part, desc[0], desc[1]);
-          else
-            wgmma::wgmma_m64n128k32_e4m3_ss(part, desc[0], desc[1], true);
-        }
-        wgmma::commit();
+        wgmma::chain_m64n128k128_e4m3_ss(part, da, db);
       };
       // Half h's retired partials into the accumulators: rows g, g + 8 of this warp's 16 tokens,
       // columns (weight rows) 8 j + 2 t, +1.

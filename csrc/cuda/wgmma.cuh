@@ -246,6 +246,24 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss_zero(float (&d)[64], ui
 #undef ZI_WGMMA_OUT8
 #undef ZI_WGMMA_D64
 
+// One 128-k stage as a chain from zero: D[64 x 128] = A[64 x 128] * B[128 x 128], both e4m3 in
+// shared memory (K-major, 128-byte swizzle: the k32 steps are +32 bytes, i.e. +2 in the
+// descriptors' address field), four wgmmas committed as one group.
+__device__ __forceinline__ void chain_m64n128k128_e4m3_ss(float (&d)[64], uint64_t desc_a,
+                                                         uint64_t desc_b) {
+  fence();
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint64_t desc[2] = {desc_a + 2 * q, desc_b + 2 * q};
+    fence_operands(desc);
+    if (q == 0)
+      wgmma_m64n128k32_e4m3_ss_zero(d, desc[0], desc[1]);
+    else
+      wgmma_m64n128k32_e4m3_ss(d, desc[0], desc[1], true);
+  }
+  commit();
+}
+
 #undef ZI_WGMMA_ACC64
 #undef ZI_WGMMA_ACC32
 #undef ZI_WGMMA_ACC16
