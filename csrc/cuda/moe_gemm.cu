@@ -251,8 +251,8 @@ struct WsFp8Cfg {
   static_assert(bar_cons < 16, "16 named barriers");
   static_assert(slot_bytes % 1024 == 0 && b_bytes % 1024 == 0 && a_bytes % 1024 == 0,
                 "swizzled operand tiles on 1024-byte boundaries");
-  static constexpr int max_experts = static_cast<int>(kMxfp4CudaMaxExperts);
-  static_assert(pipe_bytes + (3 * max_experts + 1) * 4 + 1024 + 256 * 8 + 64 <= 227 * 1024,
+  static_assert(pipe_bytes + (3 * kMxfp4CudaMaxExperts + 1) * 4 + 1024 + 256 * 8 + 64 <=
+                    227 * 1024,
                 "shared memory budget (ring, schedule, 2 KB of byte tables, mbarriers)");
   static_assert(bm * (strips * 16 * 4 + 16) <= pipe_bytes, "output tile fits the ring");
   static_assert(kMxfp4RowBaseGroup == 64 && strips == 8, "a tile is two row-base groups");
@@ -1605,9 +1605,8 @@ void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mu);
     if (sm_count[dev] == 0) {
       ZI_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
-      int64_t max_e = kMxfp4CudaMaxExperts;
-      if constexpr (requires { C::max_experts; }) max_e = C::max_experts;
-      const int max_smem = static_cast<int>(C::pipe_bytes + schedule_smem_bytes(max_e));
+      const int max_smem =
+          static_cast<int>(C::pipe_bytes + schedule_smem_bytes(kMxfp4CudaMaxExperts));
       ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
     }
