@@ -208,7 +208,6 @@ using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 3, 7>;
 struct WsFp8Cfg {
   static constexpr bool wgmma = true;
   static constexpr bool fp8 = true;
-  static constexpr bool tokens_m = true;   // (store_tile_staged: the accumulators' layout)
   static constexpr int consumers = 256;    // warpgroups 0, 1
   static constexpr int producers = 128;    // warpgroup 2
   static constexpr int threads = consumers + producers;
@@ -216,45 +215,54 @@ struct WsFp8Cfg {
   static constexpr int warp_strips = strips / (producers / 32);  // strips a producer warp decodes
   static constexpr int bm = 256;           // tokens (wgmma M: 2 warpgroups x 2 chains x 64)
   // setmaxnreg: the launch gives 168 a thread; the consumers hold 128 accumulators + 64
-  // partials, the producer decodes a strip at a time.
+  // partials, the producer decodes a strip at a time. (208, not 216: ptxas then spills 2-10
+  // instead of 40-64 local loads / stores in the consumers' code, none in the producer's.)
   static constexpr int launch_regs = (65536 / threads) / 8 * 8;
-  static constexpr int consumer_regs = 216;
+  static constexpr int consumer_regs = 208;
   static constexpr int producer_regs =
       ((threads * launch_regs - consumers * consumer_regs) / producers) / 8 * 8;
   static_assert(producer_regs >= 72 && consumers * consumer_regs + producers * producer_regs <=
                                            threads * launch_regs,
                 "setmaxnreg moves registers within the CTA's allocation");
-  // A slot: the token tile (by TMA, K-major, 128-byte swizzle: wgmma's A), the decoded weights
-  // (wgmma's B, the same layout), the packed words and scale bytes, the tokens' a_scale, and the
-  // weight rows' per-stage promotion factors (rows without row bases). Three slots fit; the
-  // copies run one stage ahead of the decode (a slot is refilled once the consumers released the
-  // stage two before).
-  static constexpr int stages = 3, ahead = 1;
+  // Copy slots (4): the token tile (by TMA, K-major, 128-byte swizzle: wgmma's A), the packed
+  // words and scale bytes, the tokens' a_scale; the copies run two stages ahead of the decode (a
+  // slot is refilled once the consumers released the stage two before its decode). Decoded
+  // buffers (2): the e4m3 weights (wgmma's B, the same layout) and the weight rows' per-stage
+  // promotion factors (rows without row bases); buffer d % 2 is rewritten at decode d once the
+  // consumers released stage d - 2. Each kind in its own array, so that the 1024-byte-aligned
+  // tiles pack without padding (4 slots of 42 KB as one struct would not fit beside the schedule).
+  static constexpr int stages = 4, ahead = 2;
   static constexpr int b_bytes = bm * kBK;              // tokens
   static constexpr int a_bytes = strips * 16 * kBK;     // decoded weights
   static constexpr int w_bytes = strips * kStripStage;  // packed weights and scale bytes
-  static constexpr int s_bytes = 1536;                  // a_scale (1 KB), factors (512 B), pad
-  static constexpr int a_off = b_bytes, w_off = a_off + a_bytes, s_off = w_off + w_bytes;
-  static constexpr int f_off = s_off + bm * 4;
-  static_assert(bm * 4 + strips * 16 * 4 <= s_bytes, "scales and factors in the slot");
-  static constexpr int slot_bytes = s_off + s_bytes;
-  static constexpr int pipe_bytes = stages * slot_bytes;
+  static constexpr int s_bytes = bm * 4;                // a_scale
+  static constexpr int f_bytes = strips * 16 * 4;       // factors
+  static constexpr int w_base = stages * b_bytes, s_base = w_base + stages * w_bytes,
+                       dec_base = s_base + stages * s_bytes, f_base = dec_base + 2 * a_bytes;
+  static constexpr int pipe_bytes = f_base + 2 * f_bytes;
+  static constexpr int tok_off(int s) { return s * b_bytes; }
+  static constexpr int w_off(int s) { return w_base + s * w_bytes; }
+  static constexpr int s_off(int s) { return s_base + s * s_bytes; }
+  static constexpr int dec_off(int d) { return dec_base + d * a_bytes; }
+  static constexpr int f_off(int d) { return f_base + d * f_bytes; }
+  static_assert(dec_base % 1024 == 0 && w_base % 128 == 0, "tile alignment");
   static constexpr int acc_regs = bm / 2;  // a consumer thread's 2 chains x 64
-  // Named barriers: full[s][cw] = 1 + 2 s + cw, empty[s] = 1 + 2 stages + s, the item's end, the
-  // consumers. The consumer warpgroups take turns issuing a stage's first chain (ping-pong):
+  // A CTA's items run through the ring as one stream of stages (slot = stream index % stages),
+  // so the next item's first stages fill under the last chains and the epilogue of the one
+  // before. Named barriers: full[s][cw] = 1 + 2 s + cw, empty[s] = 1 + 2 stages + s. The
+  // consumer warpgroups take turns issuing a stage's first chain (ping-pong):
   // full[s][0] completes when the producer handed slot s over AND warpgroup 1 issued its chain of
   // the stage before (count producers + 256); full[s][1] when warpgroup 0 issued its chain of slot
   // s (256), which also means the slot is full.
-  static constexpr int bar_full = 1, bar_empty = 1 + 2 * stages, bar_item = 1 + 3 * stages,
-                       bar_cons = 2 + 3 * stages;
+  // dfree[d] = 1 + 3 stages + d: decoded buffer d released.
+  static constexpr int bar_full = 1, bar_empty = 1 + 2 * stages, bar_dfree = 1 + 3 * stages;
   static constexpr int full0_count = producers + 256, full1_count = 256;
-  static_assert(bar_cons < 16, "16 named barriers");
-  static_assert(slot_bytes % 1024 == 0 && b_bytes % 1024 == 0 && a_bytes % 1024 == 0,
+  static_assert(bar_dfree + 2 <= 16, "16 named barriers");
+  static_assert(b_bytes % 1024 == 0 && a_bytes % 1024 == 0,
                 "swizzled operand tiles on 1024-byte boundaries");
   static_assert(pipe_bytes + (3 * kMxfp4CudaMaxExperts + 1) * 4 + 1024 + 256 * 8 + 64 <=
                     227 * 1024,
                 "shared memory budget (ring, schedule, 2 KB of byte tables, mbarriers)");
-  static_assert(bm * (strips * 16 * 4 + 16) <= pipe_bytes, "output tile fits the ring");
   static_assert(kMxfp4RowBaseGroup == 64 && strips == 8, "a tile is two row-base groups");
 };
 
@@ -879,35 +887,7 @@ __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, 
     else
       *reinterpret_cast<float*>(d) = v;
   };
-  constexpr bool kTokensM = [] {
-    if constexpr (requires { C::tokens_m; }) return C::tokens_m; else return false;
-  }();
-  if constexpr (kTokensM) {
-    // Tokens as M: warpgroup cw, chain h: acc[64 h + 4 j + x] is token bm/2 cw + 64 h + 16 (warp
-    // % 4) + g + 8 (x / 2), weight row 8 j + 2 t + x % 2 of the tile (strip j / 2, in-strip row
-    // 8 (j % 2) + 2 t + x % 2: SwiGLU gate for j even, its up in j + 1).
-#pragma unroll
-    for (int h = 0; h < C::bm / 128; ++h) {
-      const int tok0 = (sidx >> 2) * (C::bm / 2) + 64 * h + 16 * (sidx & 3) + g;
-      if (tok0 >= tile_rows) continue;  // (tok0 + 8 is checked below)
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int tok = tok0 + 8 * (x >> 1);
-          if (tok >= tile_rows) continue;
-          const float* c = acc + 64 * h + 4 * j + x;
-          if (p.fuse_swiglu) {
-            if (j % 2 == 0)
-              put(tok, (j / 2) * 8 + 2 * t + (x & 1),
-                  swiglu(c[0], c[4], p.has_swiglu_limit, p.swiglu_limit));
-          } else {
-            put(tok, 8 * j + 2 * t + (x & 1), c[0]);
-          }
-        }
-      }
-    }
-  } else if (strip_active) {
+  if (strip_active) {
     const int nj = (tile_rows + 7) / 8;
 #pragma unroll
     for (int j = 0; j < C::bm / 8; ++j) {
@@ -1283,7 +1263,130 @@ struct WsFp8Params {
   // a (e4m3 as uint8) [rows, k]: boxes of 128 k x 256 rows, 128-byte swizzle (64-byte aligned
   // by its type, as the TMA needs)
   CUtensorMap tokens;
+  CUtensorMap weights;  // w_packed as [E x strips, kb_total x kBlk bytes]: a stage of 8 strips a box
 };
+
+// A 4 x 4 transpose of 32-bit words within each quad of lanes (t = lane % 4): lane t's a[k]
+// becomes lane k's out[t], i.e. out[s] = lane s's a[t]. Two butterfly rounds (xor 2, xor 1) of two
+// shuffles each; the selects only place words. Every lane of the warp must call it.
+__device__ __forceinline__ void quad_transpose(const uint32_t (&a)[4], int t, uint32_t (&out)[4]) {
+  const bool b1 = t & 2, b0 = t & 1;
+  // Round 1 (partner t ^ 2): keep the groups whose bit 1 is t's, send the others.
+  uint32_t keep[2], recv[2];
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    keep[b] = b1 ? a[b + 2] : a[b];
+    recv[b] = __shfl_xor_sync(0xffffffffu, b1 ? a[b] : a[b + 2], 2);
+  }
+  // Now keep[b] / recv[b] are lanes t / t ^ 2 of group 2 b1 + b. Round 2 (partner t ^ 1): keep
+  // group t (b = b0), send the other one.
+  const uint32_t mine0 = b0 ? keep[1] : keep[0], mine2 = b0 ? recv[1] : recv[0];
+  const uint32_t from1 = __shfl_xor_sync(0xffffffffu, b0 ? keep[0] : keep[1], 1);
+  const uint32_t from3 = __shfl_xor_sync(0xffffffffu, b0 ? recv[0] : recv[1], 1);
+  // x[i] is lane t ^ i's word of group t: out[s] = x[s ^ t].
+  const uint32_t x[4] = {mine0, from1, mine2, from3};
+  uint32_t y[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = b0 ? x[i ^ 1] : x[i];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = b1 ? y[i ^ 2] : y[i];
+}
+
+// The wide float8 tile's outputs straight from the accumulators (tokens as M: acc[64 h + 4 j + x]
+// is token 128 cw + 64 h + 16 wq + g + 8 (x / 2), weight row 8 j + 2 t + x % 2 of the tile, i.e.
+// strip j / 2, in-strip row 8 (j % 2) + 2 t + x % 2: the SwiGLU gate for j even, its up in j + 1).
+// No shared-memory staging: the ring is the producer's as soon as the last chain retired. Tokens
+// past tile_rows and columns past n_out are not written.
+// bf16 outputs (the engine's case) go as 16-byte stores: a quad's lanes hold two adjacent columns
+// of each 8-column group of a row; a quad transpose of four groups gives each lane one whole
+// group, so a warp's store writes 8 rows x 64 contiguous bytes (whole sectors) - 4x fewer stores
+// than the pairs below, which the L2 merged only partly (measured: the pair stores cost 6-10% at
+// 512 rows an expert, where a CTA's last epilogue is not hidden).
+__device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int strip0,
+                                               int tile_row0, int tile_rows, int cw, int wq, int g,
+                                               int t, const float* acc) {
+  const bool bf16 = p.out_dtype == DType::kBFloat16;
+  const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
+  const int col0 = strip0 * (p.fuse_swiglu ? 8 : 16);
+  if (bf16 && n_out % 8 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 15) == 0) {
+    // (col0 % 8 == 0: an 8-column group lies wholly inside or outside n_out)
+    auto groups16 = [&](auto fuse) {
+      constexpr bool kFuse = decltype(fuse)::value;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (cw * 128 + 64 * h + 16 * wq >= tile_rows) continue;  // (warp-uniform)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int tok = cw * 128 + 64 * h + 16 * wq + g + 8 * r;
+          __nv_bfloat16* row = static_cast<__nv_bfloat16*>(p.out) +
+                               static_cast<int64_t>(tile_row0 + tok) * n_out;
+#pragma unroll
+          for (int q = 0; q < (kFuse ? 2 : 4); ++q) {
+            uint32_t a[4], o[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const int grp = 4 * q + k;  // the 8-column output group
+              float v0, v1;
+              if constexpr (kFuse) {
+                const float* c = acc + 64 * h + 8 * grp + 2 * r;  // gate j = 2 grp, up j + 1
+                v0 = swiglu(c[0], c[4], p.has_swiglu_limit, p.swiglu_limit);
+                v1 = swiglu(c[1], c[5], p.has_swiglu_limit, p.swiglu_limit);
+              } else {
+                const float* c = acc + 64 * h + 4 * grp + 2 * r;
+                v0 = c[0];
+                v1 = c[1];
+              }
+              const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+              a[k] = *reinterpret_cast<const uint32_t*>(&v);
+            }
+            quad_transpose(a, t, o);
+            const int col = col0 + 8 * (4 * q + t);
+            if (tok < tile_rows && col < n_out)
+              *reinterpret_cast<uint4*>(row + col) = make_uint4(o[0], o[1], o[2], o[3]);
+          }
+        }
+      }
+    };
+    if (p.fuse_swiglu)
+      groups16(std::true_type{});
+    else
+      groups16(std::false_type{});
+    return;
+  }
+  // (col0 and the pair's first column are even: a pair is one aligned store when n_out is even)
+  const bool vec = n_out % 2 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 7) == 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int tok = cw * 128 + 64 * h + 16 * wq + g + 8 * r;
+      if (tok >= tile_rows) continue;
+      const int64_t row = static_cast<int64_t>(tile_row0 + tok) * n_out;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        if (p.fuse_swiglu && j % 2 == 1) continue;  // (the up half of j - 1)
+        const float* c = acc + 64 * h + 4 * j + 2 * r;
+        float v0 = c[0], v1 = c[1];
+        int col = col0 + 8 * j + 2 * t;
+        if (p.fuse_swiglu) {
+          v0 = swiglu(c[0], c[4], p.has_swiglu_limit, p.swiglu_limit);
+          v1 = swiglu(c[1], c[5], p.has_swiglu_limit, p.swiglu_limit);
+          col = col0 + (j / 2) * 8 + 2 * t;
+        }
+        if (vec && col + 1 < n_out) {
+          if (bf16)
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + row + col) =
+                __floats2bfloat162_rn(v0, v1);
+          else
+            *reinterpret_cast<float2*>(static_cast<float*>(p.out) + row + col) =
+                make_float2(v0, v1);
+        } else {
+          if (col < n_out) store_out(p.out, bf16, row + col, v0);
+          if (col + 1 < n_out) store_out(p.out, bf16, row + col + 1, v1);
+        }
+      }
+    }
+}
 
 // WsFp8Cfg's tile. Producer (warpgroup 2), per 128-k stage, `ahead` stages before its decode: the
 // token tile by one 2-D tensor copy (thread 0; completes on the slot's mbarrier), the 8 strips'
@@ -1308,11 +1411,15 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
   extern __shared__ __align__(1024) uint8_t ws_smem[];
   uint8_t* smem = ws_smem;
   __shared__ uint2 luts[kE4m3Luts];
-  __shared__ __align__(8) uint64_t tokens_mb[C::stages];  // the token tiles' TMA completions
+  __shared__ __align__(8) uint64_t tokens_mb[C::stages];   // the token tiles' TMA completions
+  __shared__ __align__(8) uint64_t weights_mb[C::stages];  // the packed weights' ones
   e4m3_lut_init(reinterpret_cast<uint8_t*>(luts));
   if (threadIdx.x == 0) {
     if ((smem_u32(smem) & 1023u) != 0) __trap();
-    for (int i = 0; i < C::stages; ++i) mbar_init(smem_u32(&tokens_mb[i]), 1);
+    for (int i = 0; i < C::stages; ++i) {
+      mbar_init(smem_u32(&tokens_mb[i]), 1);
+      mbar_init(smem_u32(&weights_mb[i]), 1);
+    }
     mbar_init_fence();
   }
   const Schedule<C> sch(p, smem + C::pipe_bytes);  // (its barrier publishes the above)
@@ -1334,19 +1441,22 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
     const int ptid = tid - C::consumers, pw = ptid >> 5;
     constexpr int kS = C::warp_strips;
     uint32_t phases = 0;  // the parity each slot's mbarrier completes next
+    // The CTA's items run as one stream of stages through the ring: `filled` stages filled so
+    // far, the next into fill_slot; the next decoded from `slot`.
+    int filled = 0, fill_slot = 0, slot = 0, decoded = 0;
 #pragma unroll 1
     for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
       const ItemTile w = sch.tile_of(p, it);
       const bool row_based = tile_row_based(w);
-      // Copies: warp pw the 68 chunks of its strips (a strip past the weights copies strip 0,
-      // unread); thread ptid the a_scale of tokens ptid and ptid + 128 (zero past the tile).
-      const uint8_t* w_next[kS];
+      // Copies: thread 0 the stage's packed weights and its token tile by TMA; thread ptid the
+      // a_scale of tokens ptid and ptid + 128 (zero past the tile). w_row: the tile's first strip
+      // as a row of the weights' tensor map.
+      const int w_row = static_cast<int>((w.wtile - p.w_packed) / (kb_total * kBlk));
       uint32_t rb[kS];  // rows g, g + 8 of strip kS pw + h: their row bases (low / high half)
 #pragma unroll
       for (int h = 0; h < kS; ++h) {
         const int strip = kS * pw + h;
         const bool valid = strip < w.strips_valid;
-        w_next[h] = w.wtile + static_cast<int64_t>(valid ? strip : 0) * kb_total * kBlk + lane * 16;
         rb[h] = row_based && valid
                     ? w.row_base[strip * 16 + g] | uint32_t{w.row_base[strip * 16 + g + 8]} << 16
                     : 0u;
@@ -1356,30 +1466,26 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
           p.a_scale + (s_row0 ? static_cast<int64_t>(w.tile_row0 + ptid) * (k / kBK) : 0);
       const int64_t s_step1 = s_row1 ? 128 * (k / kBK) : 0;
       auto copy_stage = [&](int kt, int slot) {
-        const uint32_t base = smem_u32(smem) + slot * C::slot_bytes;
+        const uint32_t base = smem_u32(smem);
         if (ptid == 0) {
+          // the weights first (the decode waits for them; the tokens only the consumers)
+          const uint32_t wbar = smem_u32(&weights_mb[slot]);
+          mbar_arrive_expect_tx(wbar, C::w_bytes);
+          tma_load_2d(base + C::w_off(slot), &prm.weights, kt * (kStripStage / 8), w_row, wbar);
           const uint32_t bar = smem_u32(&tokens_mb[slot]);
           mbar_arrive_expect_tx(bar, C::b_bytes);
-          tma_load_2d(base, &prm.tokens, kt * kBK, w.tile_row0, bar);
+          tma_load_2d(base + C::tok_off(slot), &prm.tokens, kt * kBK, w.tile_row0, bar);
         }
-#pragma unroll
-        for (int h = 0; h < kS; ++h) {
-          const uint32_t dst = base + C::w_off + (kS * pw + h) * kStripStage + lane * 16;
-          cp_async16(dst, w_next[h], true);
-          cp_async16(dst + 512, w_next[h] + 512, true);
-          cp_async16_if(dst + 1024, w_next[h] + 1024, lane + 64 < kStripChunks);
-          w_next[h] += kStripStage;
-        }
-        cp_async4_if(base + C::s_off + ptid * 4, s_next, true, s_row0);
-        cp_async4_if(base + C::s_off + (ptid + 128) * 4, s_next + s_step1, true, s_row1);
+        cp_async4_if(base + C::s_off(slot) + ptid * 4, s_next, true, s_row0);
+        cp_async4_if(base + C::s_off(slot) + (ptid + 128) * 4, s_next + s_step1, true, s_row1);
         ++s_next;
       };
       // Strip kS pw + h of the stage in `slot`: its words and scale bytes -> e4m3 rows 16 strip +
       // g (+ 8), k 32 q + 16 hh + 4 t (the places the A fragments of the register tiles hold), a
       // strip at a time (72 registers); per-stage bases also leave the rows' factors 2^(b - 133).
-      auto decode_strip = [&](uint8_t* base, int h) {
+      auto decode_strip = [&](int slot, int buf, int h) {
         const int strip = kS * pw + h;
-        const uint8_t* ws = base + C::w_off + strip * kStripStage;
+        const uint8_t* ws = smem + C::w_off(slot) + strip * kStripStage;
         const uint4 wq0 = *reinterpret_cast<const uint4*>(ws + lane * 16);
         const uint4 wq1 = *reinterpret_cast<const uint4*>(ws + kBlk + lane * 16);
         const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(ws + 512 + g * 4);
@@ -1389,7 +1495,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         const uint32_t bg = row_based ? rb[h] & 0xffu : max_byte(sg);
         const uint32_t b8 = row_based ? rb[h] >> 16 : max_byte(s8);
         if (!row_based && t == 0) {
-          float* f = reinterpret_cast<float*>(base + C::f_off) + strip * 16 + g;
+          float* f = reinterpret_cast<float*>(smem + C::f_off(buf)) + strip * 16 + g;
           f[0] = exp2_b_minus_133(bg);
           f[8] = exp2_b_minus_133(b8);
         }
@@ -1400,7 +1506,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
           lg[q] = luts[(dg >> (8 * q)) & 0xffu];
           l8[q] = luts[(d8 >> (8 * q)) & 0xffu];
         }
-        uint8_t* row = base + C::a_off + (strip * 16 + g) * 128 + 4 * t;
+        uint8_t* row = smem + C::dec_off(buf) + (strip * 16 + g) * 128 + 4 * t;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
 #pragma unroll
@@ -1413,45 +1519,54 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
           }
         }
       };
+      // Stage kt of this item into the next slot of the CTA's stream (once the consumers
+      // released the stage `stages` before it in the stream).
+      auto fill = [&](int kt) {
+        if (filled >= C::stages) bar_sync(C::bar_empty + fill_slot, C::threads);
+        copy_stage(kt, fill_slot);
+        ++filled;
+        fill_slot = fill_slot == C::stages - 1 ? 0 : fill_slot + 1;
+      };
 #pragma unroll 1
       for (int st = 0; st < C::ahead; ++st) {
-        if (st < kt_total) copy_stage(st, st);
+        if (st < kt_total) fill(st);
         cp_async_commit();
       }
-      int slot = 0;
 #pragma unroll 1
       for (int kt = 0; kt < kt_total; ++kt) {
-        const int nk = kt + C::ahead;
-        if (nk < kt_total) {
-          const int nslot = nk % C::stages;
-          // (the slot's stage nk - stages was read)
-          if (nk >= C::stages) bar_sync(C::bar_empty + nslot, C::threads);
-          copy_stage(nk, nslot);
-        }
+        if (kt + C::ahead < kt_total) fill(kt + C::ahead);
         cp_async_commit();
-        cp_async_wait<C::ahead>();  // this thread's copies of stage kt
-        __syncwarp();               // ... and its warp's: the strips it decodes
+        mbar_wait(smem_u32(&weights_mb[slot]), (phases >> slot) & 1u);  // the packed weights
+        // decoded buffer decoded % 2: stage decoded - 2 released
+        if (decoded >= 2) bar_sync(C::bar_dfree + (decoded & 1), C::threads);
 #pragma unroll
-        for (int h = 0; h < kS; ++h) decode_strip(smem + slot * C::slot_bytes, h);
+        for (int h = 0; h < kS; ++h) decode_strip(slot, decoded & 1, h);
+        ++decoded;
+        cp_async_wait<C::ahead>();   // this thread's a_scale copies of stage kt
         wgmma::fence_proxy_async();  // decoded stores and cp.async data -> the tensor cores' reads
         mbar_wait(smem_u32(&tokens_mb[slot]), (phases >> slot) & 1u);  // the token tile landed
         phases ^= 1u << slot;
         bar_arrive(C::bar_full + 2 * slot, C::full0_count);  // warpgroup 0 (1 follows it)
         slot = slot == C::stages - 1 ? 0 : slot + 1;
       }
-      bar_sync(C::bar_item, C::threads);  // the consumers' epilogue is done with the ring
+      // (No wait for the consumers' epilogue: it stores from registers, so the next item's
+      // first stages fill the ring under it.)
     }
     return;
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::consumer_regs));
   const int cw = warp >> 2;
+  // The stream's stages: `total` for this CTA, `taken` so far, the next in `slot`.
+  const int my_items =
+      items > blockIdx.x ? static_cast<int>((items - 1 - blockIdx.x) / gridDim.x) + 1 : 0;
+  const int total = my_items * kt_total;
+  int taken = 0, slot = 0;
   // Warpgroup 0 issues the kernel's first chain: the turn for it is given up front.
-  if (cw == 1 && blockIdx.x < items) bar_arrive(C::bar_full, C::full0_count);
+  if (cw == 1 && total > 0) bar_arrive(C::bar_full, C::full0_count);
 #pragma unroll 1
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
     const ItemTile w = sch.tile_of(p, it);
-    const bool last_item = it + gridDim.x >= items;
     const bool row_based = tile_row_based(w);
     float acc[C::acc_regs];
 #pragma unroll
@@ -1462,16 +1577,16 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
       // Half h (tokens 128 cw + 64 h ..) of the stage in `slot`: its chain into `part`.
       auto chain = [&](const uint8_t* base, int h, float(&part)[64]) {
         const uint64_t da = wgmma::desc_sw128(smem_u32(base + (cw * 128 + 64 * h) * 128), 16, 1024);
-        const uint64_t db = wgmma::desc_sw128(smem_u32(base + C::a_off), 16, 1024);
+        const uint64_t db = wgmma::desc_sw128(smem_u32(smem + C::dec_off(taken & 1)), 16, 1024);
         wgmma::chain_m64n128k128_e4m3_ss(part, da, db);
       };
       // Half h's retired partials into the accumulators: rows g, g + 8 of this warp's 16 tokens,
       // columns (weight rows) 8 j + 2 t, +1.
-      auto promote = [&](const uint8_t* base, int h, const float(&part)[64]) {
-        const float* sst = reinterpret_cast<const float*>(base + C::s_off) + cw * 128 + 64 * h +
-                           (warp & 3) * 16 + g;
+      auto promote = [&](int h, const float(&part)[64]) {
+        const float* sst = reinterpret_cast<const float*>(smem + C::s_off(slot)) + cw * 128 +
+                           64 * h + (warp & 3) * 16 + g;
         const float sg = sst[0], s8 = sst[8];
-        const float* fcol = reinterpret_cast<const float*>(base + C::f_off) + 2 * t;
+        const float* fcol = reinterpret_cast<const float*>(smem + C::f_off(taken & 1)) + 2 * t;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           float2 f = make_float2(1.f, 1.f);
@@ -1484,27 +1599,28 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
           a[3] = fmaf(sc(part[4 * j + 3], f.y), s8, a[3]);
         }
       };
-      int slot = 0;
 #pragma unroll 1
       for (int kt = 0; kt < kt_total; ++kt) {
         bar_sync(C::bar_full + 2 * slot + cw, cw == 0 ? C::full0_count : C::full1_count);
-        const uint8_t* base = smem + slot * C::slot_bytes;
+        const uint8_t* base = smem + C::tok_off(slot);
         float part[64];
         chain(base, 0, part);
         // The turn passes to the other warpgroup: 1 may issue this slot's chain; 0 the next
-        // stage's (the next item's first; none after the kernel's last chain).
+        // stage's (perhaps the next item's first; none after the CTA's last chain).
         if (cw == 0)
           bar_arrive(C::bar_full + 2 * slot + 1, C::full1_count);
-        else if (!(last_item && kt == kt_total - 1))
-          bar_arrive(C::bar_full + 2 * (kt + 1 < kt_total ? next(slot) : 0), C::full0_count);
+        else if (taken + 1 < total)
+          bar_arrive(C::bar_full + 2 * next(slot), C::full0_count);
         wgmma::wait<0>();
         wgmma::fence_operands(part);
-        promote(base, 0, part);
+        promote(0, part);
         chain(base, 1, part);  // (the first half's partials are promoted: the same registers)
         wgmma::wait<0>();
         wgmma::fence_operands(part);
-        promote(base, 1, part);
-        if (kt + C::stages < kt_total) bar_arrive(C::bar_empty + slot, C::threads);
+        promote(1, part);
+        if (taken + C::stages < total) bar_arrive(C::bar_empty + slot, C::threads);  // refilled
+        if (taken + 2 < total) bar_arrive(C::bar_dfree + (taken & 1), C::threads);  // redecoded
+        ++taken;
         slot = next(slot);
       }
     };
@@ -1526,12 +1642,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
     } else {
       stage_loop(std::false_type{});
     }
-    bar_sync<C::bar_cons, C::consumers>();  // every consumer's last read of the ring
-    const bool out_bf16 = p.out_dtype == DType::kBFloat16;
-    const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
-    store_tile_staged<C, C::consumers, C::bar_cons>(p, out_bf16, n_out, smem, w.strip0,
-                                                    w.tile_row0, w.tile_rows, true, acc);
-    bar_arrive(C::bar_item, C::threads);
+    store_tokens_m(p, w.strip0, w.tile_row0, w.tile_rows, cw, warp & 3, g, t, acc);
   }
 }
 
@@ -1544,7 +1655,11 @@ int64_t schedule_smem_bytes(int64_t num_experts) { return (3 * num_experts + 1) 
 // 2-D tensor map with boxes of 128 k x `box_rows` rows and the 128-byte swizzle (wgmma's K-major
 // layout); rows past the tensor read as zeros. Encoded through the runtime's driver entry point,
 // so that the extension needs no libcuda link.
-CUtensorMap token_tensor_map(const Mxfp4CudaGemmParams& p, int box_rows) {
+// A 2-D tensor map over global memory (dims / box innermost first, strides in bytes), encoded
+// through the runtime's driver entry point, so that the extension needs no libcuda link.
+CUtensorMap encode_tensor_map(CUtensorMapDataType dtype, const void* base, const cuuint64_t* dims,
+                              const cuuint64_t* strides, const cuuint32_t* box,
+                              CUtensorMapSwizzle swizzle, const char* what) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                               const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
                               const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -1558,17 +1673,40 @@ CUtensorMap token_tensor_map(const Mxfp4CudaGemmParams& p, int box_rows) {
              "cuTensorMapEncodeTiled not found in the CUDA driver");
     return reinterpret_cast<Encode>(fn);
   }();
-  const int64_t rows = p.masked_m != nullptr ? p.num_experts * p.cap : p.m;
   CUtensorMap map{};
+  const cuuint32_t estr[2] = {1, 1};
+  const CUresult r = encode(&map, dtype, 2, const_cast<void*>(base), dims, strides, box, estr,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  ZI_CHECK(r == CUDA_SUCCESS, std::string("cuTensorMapEncodeTiled failed for ") + what);
+  return map;
+}
+
+// The float8 token rows a ([m, k], or [num_experts, cap, k] masked: p.m is ignored there) with
+// boxes of 128 k x `box_rows` rows and the 128-byte swizzle (wgmma's K-major layout); rows past
+// the tensor read as zeros.
+CUtensorMap token_tensor_map(const Mxfp4CudaGemmParams& p, int box_rows) {
+  const int64_t rows = p.masked_m != nullptr ? p.num_experts * p.cap : p.m;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.k)};  // bytes (e4m3)
-  const cuuint32_t box[2] = {kBK, static_cast<cuuint32_t>(box_rows)}, estr[2] = {1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(p.a), dims,
-                            strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  ZI_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the float8 token rows");
-  return map;
+  const cuuint32_t box[2] = {kBK, static_cast<cuuint32_t>(box_rows)};
+  return encode_tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, dims, strides, box,
+                           CU_TENSOR_MAP_SWIZZLE_128B, "the float8 token rows");
+}
+
+// The packed weights (zeroinfer/moe_gemm.h: per expert and 16-row strip, kb_total blocks of
+// kBlk bytes) as a 2-D tensor map of 8-byte elements: [E x strips] rows of kb_total x kBlk bytes,
+// boxes of one stage (2 blocks, 1088 bytes) x `box_strips` strips, no swizzle: one copy lands a
+// stage's strips exactly where the cp.async ring put them (kStripStage bytes a strip).
+CUtensorMap weight_tensor_map(const Mxfp4CudaGemmParams& p, int box_strips) {
+  const int64_t row_bytes = (p.k_pad / 64) * kBlk;
+  static_assert(kStripStage % 16 == 0 && kStripStage / 8 <= 256, "a stage is one box row");
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_bytes / 8),
+                              static_cast<cuuint64_t>(p.num_experts * (p.n_pad / 16))};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+  const cuuint32_t box[2] = {kStripStage / 8, static_cast<cuuint32_t>(box_strips)};
+  return encode_tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT64, p.w_packed, dims, strides, box,
+                           CU_TENSOR_MAP_SWIZZLE_NONE, "the packed weights");
 }
 
 // One launch of config C; kWide as in mxfp4_moe_kernel (float8 has one variant: its decode
@@ -1621,7 +1759,7 @@ void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(items_bound,
                                                               int64_t{sms} * blocks_per_sm));
   if constexpr (kWs) {
-    const WsFp8Params prm{p, token_tensor_map(p, C::bm)};
+    const WsFp8Params prm{p, token_tensor_map(p, C::bm), weight_tensor_map(p, C::strips)};
     kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(prm);
   } else {
     kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
