@@ -643,9 +643,12 @@ def test_cuda_matches_reference(gen, tile, dtype, masked, mode, out_dtype, tile_
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("N,K,fuse", [(256, 512, False), (4096, 256, False), (2 * 2048, 256, True),
-                                      (96, 1056, True), (32, 32, False), (2 * 40, 160, True)])
+                                      (96, 1056, True), (32, 32, False), (2 * 40, 160, True),
+                                      (100, 256, False), (2 * 36, 256, True)])
 def test_cuda_shapes(gen, tile, dtype, N, K, fuse):
-    """Odd N (padding rows / halves not a multiple of 8), K not a multiple of the 128 stage."""
+    """Odd N (padding rows / halves not a multiple of 16), K not a multiple of the 128 stage;
+    outputs not a multiple of 8 wide (100, 36) take the float8 wide tile's pair stores instead of
+    its 16-byte groups."""
     if dtype == FP8 and K % 128:
         K = 128 * (K // 128 + 1)
     for t in _tiles(dtype):
