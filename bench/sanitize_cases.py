@@ -29,11 +29,12 @@ correct_lengths(torch.randperm(R, **i32), torch.randint(1, S + 1, (R,), **i32),
 # Sparse MLA: split and unsplit plans, both cache formats, extra cache, -1 entries, ragged tails.
 # FP8 at 16 heads runs the 16-head kernel on 64-entry tiles (50 tokens) and on 32-entry tiles at
 # two CTAs an SM (200 tokens: over one wave), at 32 heads the 16-warp layout; 128 heads over many
-# tiles (two 64-head CTAs a token).
+# tiles (two 64-head CTAs a token); 64 heads over the bf16 cache (the wgmma kernel) split and not.
 for T, H, K, K2, fmt in [(1, 64, 200, 77, "fp8"), (40, 16, 130, 0, "bf16"), (3, 128, 64, 9, "fp8"),
                          (200, 8, 65, 33, "bf16"), (50, 16, 200, 40, "fp8"),
                          (200, 16, 150, 20, "fp8"),
-                         (20, 32, 130, 0, "fp8"), (30, 128, 300, 40, "fp8")]:
+                         (20, 32, 130, 0, "fp8"), (30, 128, 300, 40, "fp8"),
+                         (2, 64, 300, 45, "bf16"), (140, 64, 150, 9, "bf16")]:
     kv = torch.randn(8, 64, 512, generator=gen)
     kv2 = torch.randn(4, 16, 512, generator=gen)
     if fmt == "fp8":
