@@ -200,8 +200,10 @@ using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 3, 7>;
 // M dimension (mxfp4_moe_fp8_ws_kernel). 256 tokens x 128 weight rows an item, one CTA an SM:
 // warpgroups 0 and 1 consume (tokens 128 cw .. +128 as two m64n128 chains a stage, A and B from
 // shared memory), warpgroup 2 produces (copies, and the FP4 -> e4m3 decode into the B tile).
-// Measured on the H200 (moe_gemm_NOTES.md, session 16) against the 128 x 128 register-A tile it
-// replaces (the same results, bitwise): W4A8 prefill +13-20% (gate_up), +4-15% (down). Why the
+// Measured on the H200 (moe_gemm_NOTES.md, sessions 16-17) against the 128 x 128 register-A tile
+// it replaced (the same results, bitwise): W4A8 prefill +13-20% (gate_up), +4-15% (down); with
+// the copy ring two stages ahead, the weights by TMA and the stores from registers (session 17)
+// 1.2-1.4x more. Why the
 // shape: with the tokens as M the promotion scales one accumulator row, two scale loads a stage
 // instead of 32 (probe: the promotion loop 1.1 -> 1.45 PFLOP/s), and each decoded weight feeds
 // 256 tokens, so the one producer warpgroup keeps up.
@@ -1394,21 +1396,25 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
 }
 
 // WsFp8Cfg's tile. Producer (warpgroup 2), per 128-k stage, `ahead` stages before its decode: the
-// token tile by one 2-D tensor copy (thread 0; completes on the slot's mbarrier), the 8 strips'
-// packed words and scale bytes (warp p: strips 2p, 2p + 1) and the tokens' a_scale by cp.async;
-// then it decodes its strips to e4m3 with the byte tables into the slot's B tile, at row 16 strip
-// + r (K-major, 128-byte swizzle; a row is a weight row, so the tile is wgmma's B as stored), waits
-// for the token tile and hands the slot over. Consumers (warpgroups 0, 1): per stage, for each of
+// 8 strips' packed words and scale bytes and the token tile by one 2-D tensor copy each (thread 0;
+// each completes on its own mbarrier of the copy slot), the tokens' a_scale by cp.async; then,
+// once the decoded buffer is free, it decodes its strips (warp p: strips 2p, 2p + 1) to e4m3 with
+// the byte tables into the buffer's B tile, at row 16 strip + r (K-major, 128-byte swizzle; a row
+// is a weight row, so the tile is wgmma's B as stored), waits for the token tile and hands the
+// stage over. The CTA's items run as one stream of stages (see WsFp8Cfg), and the consumers store
+// their outputs from registers (store_tokens_m), so nothing waits for an item's epilogue but the
+// warpgroup that runs it. Consumers (warpgroups 0, 1): per stage, for each of
 // their two 64-token halves, wgmma m64n128k32 x 4 (A: the token rows, B: the decoded weights) from
 // zero, retired (wait<0>) and promoted: acc = fma(partial [x 2^(b - 133) of the column's weight
 // row, per-stage bases], a_scale of the row's token, acc). One base rule for the whole tile (row
 // bases only where both 64-row groups have them): the rules give the same results, bitwise.
 // The e4m3 values, the wgmma k32 chains and the promotion order are those of every other float8
 // tile, so the results are bitwise theirs (tested).
-// Slot s is handed over by named barriers: full[s][cw] (the producer arrives once its decode is
-// stored and fenced and the token tile landed; see WsFp8Cfg for the turn the consumers pass) and
-// empty[s] (the consumers arrive after their last read of the slot; the producer waits before
-// refilling it: only for the refills that exist, so both sides count the same arrivals).
+// Stages are handed over by named barriers: full[s][cw] (the producer arrives once its decode is
+// stored and fenced and the token tile landed; see WsFp8Cfg for the turn the consumers pass),
+// empty[s] (the consumers arrive after their last read of copy slot s; the producer waits before
+// refilling it) and dfree[d] (the same for decoded buffer d): only for the refills that exist, so
+// both sides count the same arrivals.
 __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
     mxfp4_moe_fp8_ws_kernel(const __grid_constant__ WsFp8Params prm) {
   using C = WsFp8Cfg;
