@@ -852,18 +852,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   }
 }
 
-// The wgmma tiles' output: the tile's C fragments go through shared memory (the drained ring) as
-// a [token][column] tile of the output dtype, then leave as 16-byte row chunks: the fragments'
-// own stores would be 2-4-byte scatters (swap-AB puts tokens across lanes). Rows past tile_rows
-// and columns past n_out are not written; a misaligned output takes element stores.
-// Named barrier `id` over `n` threads (id 0 with n = the block: __syncthreads).
-template <int kId, int kN>
-__device__ __forceinline__ void bar_sync() {
-  if constexpr (kId == 0)
-    __syncthreads();
-  else
-    asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kN) : "memory");
-}
+// Named barrier `id` over `n` threads: wait for them all / arrive without waiting.
 __device__ __forceinline__ void bar_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
@@ -871,9 +860,11 @@ __device__ __forceinline__ void bar_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
-// (kThreads / kBar: the threads that run it and their barrier; the warp-specialised tile runs it
-// on its consumer warpgroups only.)
-template <class C, int kThreads = C::threads, int kBar = 0>
+// The wgmma tiles' output: the tile's C fragments go through shared memory (the drained ring) as
+// a [token][column] tile of the output dtype, then leave as 16-byte row chunks: the fragments'
+// own stores would be 2-4-byte scatters (swap-AB puts tokens across lanes). Rows past tile_rows
+// and columns past n_out are not written; a misaligned output takes element stores.
+template <class C>
 __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, bool out_bf16,
                                                   int n_out, uint8_t* smem, int strip0,
                                                   int tile_row0, int tile_rows,
@@ -902,12 +893,12 @@ __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, 
                          [&](int tok, int col, auto value) { put(tok, col, value()); });
     }
   }
-  bar_sync<kBar, kThreads>();
+  __syncthreads();
   const int cols_here = min(cols, n_out - col0);  // > 0: the tile has a valid strip
   const int chunks = cols * esize / 16;           // 16-byte chunks of a token row
   const bool vec = (reinterpret_cast<uintptr_t>(p.out) & 15) == 0 && (n_out * esize) % 16 == 0;
   uint8_t* out = static_cast<uint8_t*>(p.out);
-  for (int i = tid; i < tile_rows * chunks; i += kThreads) {
+  for (int i = tid; i < tile_rows * chunks; i += C::threads) {
     const int r = i / chunks, ch = i - r * chunks;
     const int c = ch * (16 / esize);  // first column of the chunk
     if (c >= cols_here) continue;
@@ -924,7 +915,7 @@ __device__ __forceinline__ void store_tile_staged(const Mxfp4CudaGemmParams& p, 
       }
     }
   }
-  bar_sync<kBar, kThreads>();  // the next item's prologue overwrites the ring
+  __syncthreads();  // the next item's prologue overwrites the ring
 }
 
 // ---- the wgmma tile ----------------------------------------------------------------------------
@@ -1662,10 +1653,6 @@ constexpr int kMaxDevices = 64;
 
 int64_t schedule_smem_bytes(int64_t num_experts) { return (3 * num_experts + 1) * 4; }
 
-// The float8 token rows a ([m, k], or [num_experts, cap, k] masked: p.m is ignored there) as a
-// 2-D tensor map with boxes of 128 k x `box_rows` rows and the 128-byte swizzle (wgmma's K-major
-// layout); rows past the tensor read as zeros. Encoded through the runtime's driver entry point,
-// so that the extension needs no libcuda link.
 // A 2-D tensor map over global memory (dims / box innermost first, strides in bytes), encoded
 // through the runtime's driver entry point, so that the extension needs no libcuda link.
 CUtensorMap encode_tensor_map(CUtensorMapDataType dtype, const void* base, const cuuint64_t* dims,
@@ -1708,7 +1695,7 @@ CUtensorMap token_tensor_map(const Mxfp4CudaGemmParams& p, int box_rows) {
 // The packed weights (zeroinfer/moe_gemm.h: per expert and 16-row strip, kb_total blocks of
 // kBlk bytes) as a 2-D tensor map of 8-byte elements: [E x strips] rows of kb_total x kBlk bytes,
 // boxes of one stage (2 blocks, 1088 bytes) x `box_strips` strips, no swizzle: one copy lands a
-// stage's strips exactly where the cp.async ring put them (kStripStage bytes a strip).
+// stage's strips in the copy slot as the decode reads them (kStripStage bytes a strip).
 CUtensorMap weight_tensor_map(const Mxfp4CudaGemmParams& p, int box_strips) {
   const int64_t row_bytes = (p.k_pad / 64) * kBlk;
   static_assert(kStripStage % 16 == 0 && kStripStage / 8 <= 256, "a stage is one box row");

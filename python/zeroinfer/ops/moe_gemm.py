@@ -32,8 +32,8 @@ def _name(d: torch.dtype) -> str:
 _INT32_LIMIT = 2**31
 # Tile shape of the CUDA kernel: 0 = planned from the shapes (_C.mxfp4_cuda_plan), 1 = small-M
 # (32 tokens), 2 = wide (bf16: 128-token wgmma tile; float8: 256-token warp-specialised tile),
-# 3 = tiny-M (decode, <= 8 rows per expert per tile), 4 = wgmma (64-token tile). Tests set it to run every shape on the same inputs (every
-# shape gives bitwise the same result).
+# 3 = tiny-M (decode, <= 8 rows per expert per tile), 4 = wgmma (64-token tile). Tests set it to
+# run every shape on the same inputs (every shape gives bitwise the same result).
 _FORCE_TILE = 0
 
 
