@@ -641,12 +641,18 @@ __device__ __forceinline__ void store_out(void* out, bool bf16, int64_t idx, flo
     static_cast<float*>(out)[idx] = v;
 }
 
-// V4 clipped SwiGLU, NaN-propagating like the reference (x > NaN is false).
-__device__ __forceinline__ float swiglu(float gt, float up, bool has_limit, float lim) {
-  if (has_limit) {
-    gt = gt > lim ? lim : gt;
-    up = up > lim ? lim : (up < -lim ? -lim : up);
-  }
+// The SwiGLU clip of a call: its limit, or +inf without one (the clip's selects then keep every
+// value, so one branch-free code path serves both).
+__device__ __forceinline__ float swiglu_limit(const Mxfp4CudaGemmParams& p) {
+  return p.has_swiglu_limit ? p.swiglu_limit : INFINITY;
+}
+
+// V4 clipped SwiGLU, NaN-propagating like the reference (x > NaN is false). Selects, not a branch
+// on whether there is a limit: with the branch, ptxas made every SwiGLU of the unrolled epilogues
+// its own basic block, so none overlapped another's MUFU latency.
+__device__ __forceinline__ float swiglu(float gt, float up, float lim) {
+  gt = gt > lim ? lim : gt;
+  up = up > lim ? lim : (up < -lim ? -lim : up);
   // MUFU ex2 / rcp (__expf, __fdividef: a few ulp of float32 before the bf16 rounding) instead of
   // the IEEE expf and division: those were ~16% of the float8 wide tile's consumer time (its
   // epilogue, where neither warpgroup feeds the tensor cores; Nsight Compute, session 17). For
@@ -654,9 +660,6 @@ __device__ __forceinline__ float swiglu(float gt, float up, bool has_limit, floa
   return __fdividef(gt, 1.f + __expf(-gt)) * up;
 }
 
-// One C fragment (16 weight rows of packed strip `strip` x tokens tok, tok + 1 of the tile; c0 /
-// c1: row g, c2 / c3: row g + 8) to the output: SwiGLU pairs (gate row g, up row g + 8 of a
-// gate/up-interleaved strip) or plain rows; rows past n_out and tokens past tile_rows dropped.
 // The outputs of one C fragment (16 weight rows of packed strip `strip` x tile-local tokens tok,
 // tok + 1; c0 / c1: row g, c2 / c3: row g + 8): put(token, column, value) for each, as SwiGLU pairs
 // (gate row g, up row g + 8 of a gate/up-interleaved strip) or plain rows. The one place that
@@ -665,10 +668,10 @@ template <class Put>
 __device__ __forceinline__ void fragment_outputs(const Mxfp4CudaGemmParams& p, int strip, int g,
                                                  int tok, const float* c, Put&& put) {
   if (p.fuse_swiglu) {
+    const float lim = swiglu_limit(p);
 #pragma unroll
     for (int u = 0; u < 2; ++u)
-      put(tok + u, strip * 8 + g, [&] { return swiglu(c[u], c[2 + u], p.has_swiglu_limit,
-                                                      p.swiglu_limit); });
+      put(tok + u, strip * 8 + g, [&] { return swiglu(c[u], c[2 + u], lim); });
   } else {
 #pragma unroll
     for (int x = 0; x < 4; ++x)
@@ -1306,6 +1309,7 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
   const bool bf16 = p.out_dtype == DType::kBFloat16;
   const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
   const int col0 = strip0 * (p.fuse_swiglu ? 8 : 16);
+  const float lim = swiglu_limit(p);
   if (bf16 && n_out % 8 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 15) == 0) {
     // (col0 % 8 == 0: an 8-column group lies wholly inside or outside n_out)
     auto groups16 = [&](auto fuse) {
@@ -1327,8 +1331,8 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
               float v0, v1;
               if constexpr (kFuse) {
                 const float* c = acc + 64 * h + 8 * grp + 2 * r;  // gate j = 2 grp, up j + 1
-                v0 = swiglu(c[0], c[4], p.has_swiglu_limit, p.swiglu_limit);
-                v1 = swiglu(c[1], c[5], p.has_swiglu_limit, p.swiglu_limit);
+                v0 = swiglu(c[0], c[4], lim);
+                v1 = swiglu(c[1], c[5], lim);
               } else {
                 const float* c = acc + 64 * h + 4 * grp + 2 * r;
                 v0 = c[0];
@@ -1367,8 +1371,8 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
         float v0 = c[0], v1 = c[1];
         int col = col0 + 8 * j + 2 * t;
         if (p.fuse_swiglu) {
-          v0 = swiglu(c[0], c[4], p.has_swiglu_limit, p.swiglu_limit);
-          v1 = swiglu(c[1], c[5], p.has_swiglu_limit, p.swiglu_limit);
+          v0 = swiglu(c[0], c[4], lim);
+          v1 = swiglu(c[1], c[5], lim);
           col = col0 + (j / 2) * 8 + 2 * t;
         }
         if (vec && col + 1 < n_out) {
@@ -1484,7 +1488,9 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
       };
       // Strip kS pw + h of the stage in `slot`: its words and scale bytes -> e4m3 rows 16 strip +
       // g (+ 8), k 32 q + 16 hh + 4 t (the places the A fragments of the register tiles hold), a
-      // strip at a time (72 registers); per-stage bases also leave the rows' factors 2^(b - 133).
+      // strip at a time (72 registers); per-stage bases also leave the rows' factors 2^(b - 133),
+      // and so do row bases at an item's last stage (rows_f: the consumers' epilogue scale).
+      bool rows_f = false;
       auto decode_strip = [&](int slot, int buf, int h) {
         const int strip = kS * pw + h;
         const uint8_t* ws = smem + C::w_off(slot) + strip * kStripStage;
@@ -1496,7 +1502,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         const uint32_t s8 = __byte_perm(sc0, sc1, 0x7632u);  // row g + 8
         const uint32_t bg = row_based ? rb[h] & 0xffu : max_byte(sg);
         const uint32_t b8 = row_based ? rb[h] >> 16 : max_byte(s8);
-        if (!row_based && t == 0) {
+        if ((!row_based || rows_f) && t == 0) {
           float* f = reinterpret_cast<float*>(smem + C::f_off(buf)) + strip * 16 + g;
           f[0] = exp2_b_minus_133(bg);
           f[8] = exp2_b_minus_133(b8);
@@ -1541,6 +1547,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         mbar_wait(smem_u32(&weights_mb[slot]), (phases >> slot) & 1u);  // the packed weights
         // decoded buffer decoded % 2: stage decoded - 2 released
         if (decoded >= 2) bar_sync(C::bar_dfree + (decoded & 1), C::threads);
+        rows_f = kt == kt_total - 1;
 #pragma unroll
         for (int h = 0; h < kS; ++h) decode_strip(slot, decoded & 1, h);
         ++decoded;
@@ -1566,10 +1573,16 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
   int taken = 0, slot = 0;
   // Warpgroup 0 issues the kernel's first chain: the turn for it is given up front.
   if (cw == 1 && total > 0) bar_arrive(C::bar_full, C::full0_count);
+  // The item's tile and base rule; the next item's are worked out before this one's epilogue, so
+  // that their loads (the row-base bytes, from L2) land under it, not before the next stage loop.
+  ItemTile w{};
+  bool row_based = false;
+  if (blockIdx.x < items) {
+    w = sch.tile_of(p, blockIdx.x);
+    row_based = tile_row_based(w);
+  }
 #pragma unroll 1
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const ItemTile w = sch.tile_of(p, it);
-    const bool row_based = tile_row_based(w);
     float acc[C::acc_regs];
 #pragma unroll
     for (int i = 0; i < C::acc_regs; ++i) acc[i] = 0.f;
@@ -1602,7 +1615,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         }
       };
 #pragma unroll 1
-      for (int kt = 0; kt < kt_total; ++kt) {
+      for (const int stop = taken + kt_total; taken < stop;) {  // (no separate kt: one counter)
         bar_sync(C::bar_full + 2 * slot + cw, cw == 0 ? C::full0_count : C::full1_count);
         const uint8_t* base = smem + C::tok_off(slot);
         float part[64];
@@ -1621,30 +1634,44 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         wgmma::fence_operands(part);
         promote(1, part);
         if (taken + C::stages < total) bar_arrive(C::bar_empty + slot, C::threads);  // refilled
-        if (taken + 2 < total) bar_arrive(C::bar_dfree + (taken & 1), C::threads);  // redecoded
+        // (redecoded; a row-based item's last stage releases it after the epilogue's factors)
+        if (taken + 2 < total && (!kRowBased || taken + 1 < stop))
+          bar_arrive(C::bar_dfree + (taken & 1), C::threads);
         ++taken;
         slot = next(slot);
       }
     };
     if (row_based) {
       stage_loop(std::true_type{});
-      // The columns' (weight rows') 2^(B - 133) (rows past the tile's strips: never stored).
+      // The columns' (weight rows') 2^(B - 133), which the producer left in the last stage's
+      // decoded buffer (rows past the tile's strips: never stored); then that buffer is released.
+      const float* fr = reinterpret_cast<const float*>(smem + C::f_off((taken - 1) & 1)) + 2 * t;
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < 16; ++j) {
+        const float2 f2 = *reinterpret_cast<const float2*>(fr + 8 * j);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          const int n = 8 * j + 2 * t + u;
-          const float f = n < 16 * w.strips_valid ? exp2_b_minus_133(w.row_base[n]) : 0.f;
+          const float f = 8 * j + 2 * t + u < 16 * w.strips_valid ? (u ? f2.y : f2.x) : 0.f;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             acc[64 * h + 4 * j + u] *= f;
             acc[64 * h + 4 * j + 2 + u] *= f;
           }
         }
+      }
+      if (taken + 1 < total) bar_arrive(C::bar_dfree + ((taken - 1) & 1), C::threads);
     } else {
       stage_loop(std::false_type{});
     }
+    ItemTile wn = w;
+    bool rbn = false;
+    if (it + gridDim.x < items) {
+      wn = sch.tile_of(p, it + gridDim.x);
+      rbn = tile_row_based(wn);
+    }
     store_tokens_m(p, w.strip0, w.tile_row0, w.tile_rows, cw, warp & 3, g, t, acc);
+    w = wn;
+    row_based = rbn;
   }
 }
 
