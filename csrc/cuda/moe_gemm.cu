@@ -229,9 +229,10 @@ struct WsFp8Cfg {
   // Copy slots (4): the token tile (by TMA, K-major, 128-byte swizzle: wgmma's A), the packed
   // words and scale bytes, the tokens' a_scale; the copies run two stages ahead of the decode (a
   // slot is refilled once the consumers released the stage two before its decode). Decoded
-  // buffers (2): the e4m3 weights (wgmma's B, the same layout) and the weight rows' per-stage
-  // promotion factors (rows without row bases); buffer d % 2 is rewritten at decode d once the
-  // consumers released stage d - 2. Each kind in its own array, so that the 1024-byte-aligned
+  // buffers (2): the e4m3 weights (wgmma's B, the same layout) and the weight rows' factors (per
+  // stage for rows without row bases; with row bases, the 2^(B - 133) of the item's epilogue, left
+  // at its last stage, whose buffer the consumers then release after their epilogue read it);
+  // buffer d % 2 is rewritten at decode d once the consumers released stage d - 2. Each kind in its own array, so that the 1024-byte-aligned
   // tiles pack without padding (4 slots of 42 KB as one struct would not fit beside the schedule).
   static constexpr int stages = 4, ahead = 2;
   static constexpr int b_bytes = bm * kBK;              // tokens
