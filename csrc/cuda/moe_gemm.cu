@@ -232,8 +232,9 @@ struct WsFp8Cfg {
   // buffers (2): the e4m3 weights (wgmma's B, the same layout) and the weight rows' factors (per
   // stage for rows without row bases; with row bases, the 2^(B - 133) of the item's epilogue, left
   // at its last stage, whose buffer the consumers then release after their epilogue read it);
-  // buffer d % 2 is rewritten at decode d once the consumers released stage d - 2. Each kind in its own array, so that the 1024-byte-aligned
-  // tiles pack without padding (4 slots of 42 KB as one struct would not fit beside the schedule).
+  // buffer d % 2 is rewritten at decode d once the consumers released stage d - 2. Each kind in
+  // its own array, so that the 1024-byte-aligned tiles pack without padding (4 slots of 42 KB as
+  // one struct would not fit beside the schedule).
   static constexpr int stages = 4, ahead = 2;
   static constexpr int b_bytes = bm * kBK;              // tokens
   static constexpr int a_bytes = strips * 16 * kBK;     // decoded weights
@@ -1264,7 +1265,8 @@ struct WsFp8Params {
   // a (e4m3 as uint8) [rows, k]: boxes of 128 k x 256 rows, 128-byte swizzle (64-byte aligned
   // by its type, as the TMA needs)
   CUtensorMap tokens;
-  CUtensorMap weights;  // w_packed as [E x strips, kb_total x kBlk bytes]: a stage of 8 strips a box
+  // w_packed as [E x strips, kb_total x kBlk bytes]: a stage of 8 strips a box
+  CUtensorMap weights;
 };
 
 // A 4 x 4 transpose of 32-bit words within each quad of lanes (t = lane % 4): lane t's a[k]
@@ -1409,8 +1411,9 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
 // Stages are handed over by named barriers: full[s][cw] (the producer arrives once its decode is
 // stored and fenced and the token tile landed; see WsFp8Cfg for the turn the consumers pass),
 // empty[s] (the consumers arrive after their last read of copy slot s; the producer waits before
-// refilling it) and dfree[d] (the same for decoded buffer d): only for the refills that exist, so
-// both sides count the same arrivals.
+// refilling it) and dfree[d] (the same for decoded buffer d; a row-based item's last one after
+// the epilogue read its factors): only for the refills that exist, so both sides count the same
+// arrivals.
 __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
     mxfp4_moe_fp8_ws_kernel(const __grid_constant__ WsFp8Params prm) {
   using C = WsFp8Cfg;
