@@ -802,6 +802,28 @@ def test_cuda_w4a8_row_base_bitwise(gen, tile, tile_shape, masked, scales):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("K", [128, 256])
+@pytest.mark.parametrize("mode", ["plain", "swiglu_limit"])
+@pytest.mark.parametrize("scales", ["v4", "mixed"])
+def test_cuda_wide_tile_many_items_short_k(gen, tile, K, mode, scales):
+    """The float8 wide tile streams a CTA's items through one ring of stages, and a row-based
+    item's last stage carries the row factors its epilogue reads before that decoded buffer is
+    released: with one or two stages an item (K = 128 / 256) and two or three items a CTA
+    (320 items: 10 token tiles x 32 weight tiles), row bases give bitwise the per-stage results,
+    and both match the reference."""
+    tile(2)
+    wlo, whi, frac = {"v4": (112, 130, 1.0), "mixed": (110, 140, 0.5)}[scales]
+    c = make_case(gen, E=3, N=4096, K=K, dtype=FP8, masked=False, counts=[600, 700, 800],
+                  mode=mode, wlo=wlo, whi=whi, narrow=frac)
+    pw = mxfp4_prepack(c["w"].to(DEV), c["s"].to(DEV), fuse_swiglu=c["fuse"], act_dtype=FP8)
+    got = run_cuda(c, out_dtype=torch.float32, packed=pw)
+    per_stage = run_cuda(c, out_dtype=torch.float32, packed=dataclasses.replace(pw, row_base=None))
+    assert torch.equal(got.view(torch.int32), per_stage.view(torch.int32)), \
+        f"{scales} {mode} K={K}: row bases changed the result"
+    check_vs_ref(got, c, torch.float32, f"{scales} {mode} K={K}")
+
+
+@pytest.mark.gpu
 def test_cuda_raw_weights_match_packed(gen, tile):
     """Raw CUDA weights are repacked on the fly (wide-scale decode): same bits as prepacked
     narrow-scale weights."""
