@@ -794,11 +794,17 @@ def test_cuda_w4a8_row_base_bitwise(gen, tile, tile_shape, masked, scales):
     on_row_base = (pw.row_base.cpu().reshape(6, -1, 64) != 0).all(-1)
     assert bool(on_row_base.all()) if frac == 1 else \
         bool(on_row_base.any()) and not bool(on_row_base.all()), on_row_base
+    check_row_bases_bitwise(c, pw, f"{scales} masked={masked} tile={tile_shape}")
+
+
+def check_row_bases_bitwise(c, pw, what):
+    """The float8 op on W4A8-packed weights pw: bitwise the result of the same weights on
+    per-stage bases (row_base=None), and right against the reference."""
     got = run_cuda(c, out_dtype=torch.float32, packed=pw)
     per_stage = run_cuda(c, out_dtype=torch.float32, packed=dataclasses.replace(pw, row_base=None))
     assert torch.equal(got.view(torch.int32), per_stage.view(torch.int32)), \
-        f"{scales} masked={masked} tile={tile_shape}: row bases changed the result"
-    check_vs_ref(got, c, torch.float32, f"{scales} masked={masked} tile={tile_shape}")
+        f"{what}: row bases changed the result"
+    check_vs_ref(got, c, torch.float32, what)
 
 
 @pytest.mark.gpu
@@ -816,11 +822,7 @@ def test_cuda_wide_tile_many_items_short_k(gen, tile, K, mode, scales):
     c = make_case(gen, E=3, N=4096, K=K, dtype=FP8, masked=False, counts=[600, 700, 800],
                   mode=mode, wlo=wlo, whi=whi, narrow=frac)
     pw = mxfp4_prepack(c["w"].to(DEV), c["s"].to(DEV), fuse_swiglu=c["fuse"], act_dtype=FP8)
-    got = run_cuda(c, out_dtype=torch.float32, packed=pw)
-    per_stage = run_cuda(c, out_dtype=torch.float32, packed=dataclasses.replace(pw, row_base=None))
-    assert torch.equal(got.view(torch.int32), per_stage.view(torch.int32)), \
-        f"{scales} {mode} K={K}: row bases changed the result"
-    check_vs_ref(got, c, torch.float32, f"{scales} {mode} K={K}")
+    check_row_bases_bitwise(c, pw, f"{scales} {mode} K={K}")
 
 
 @pytest.mark.gpu
