@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from zeroinfer import _C
-from zeroinfer.ops.moe_gemm import mxfp4_grouped_gemm, mxfp4_prepack
+from zeroinfer.ops.moe_gemm import mxfp4_act_scale_mn_major, mxfp4_grouped_gemm, mxfp4_prepack
 from zeroinfer.quant.mxfp4 import dequantize_mxfp4
 from zeroinfer.testing import bench
 
@@ -187,12 +187,14 @@ def _swiglu_torch(y, n_out, limit):
 
 
 def _quant_fp8(x):
-    """bf16/float [m, k] -> (e4m3 [m, k], float32 per-token per-128 scales [m, k/128])."""
+    """bf16/float [m, k] -> (e4m3 [m, k], float32 per-token per-128 scales [m, k/128]), the
+    scales token-contiguous (mxfp4_act_scale_mn_major: the layout the prefill tile reads
+    fastest; an activation quantiser writes it directly)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // 128, 128)
     scale = (xb.abs().amax(-1) / 448.0).clamp(min=1e-12)
     q = (xb / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(m, k)
-    return q, scale
+    return q, mxfp4_act_scale_mn_major(scale)
 
 
 class TorchPath:
@@ -359,6 +361,8 @@ def cuda_main(args, quick: bool) -> None:
                           "bf16 GEMM(s) over the expert segments and the clipped SwiGLU in "
                           "float32; its time includes the dequantizations (the kernel reads "
                           "MXFP4 directly); the kernel's prepack is done once and not timed",
+        "a_scale_layout": "W4A8 rows: float32 per-token scales token-contiguous "
+                          "(mxfp4_act_scale_mn_major)",
         "bytes": "weight_bytes = packed MXFP4 bytes (4.25 bits/weight) of the experts with "
                  "tokens; act_bytes = activations (+ float32 scales); out_bytes = bf16 outputs",
         "floor": "max(bytes / measured HBM copy rate, flops / measured peak); peak = bf16 matmul "

@@ -53,7 +53,7 @@ for T, H, K, K2, fmt in [(1, 64, 200, 77, "fp8"), (40, 16, 130, 0, "bf16"), (3, 
 # MXFP4 grouped GEMM: both activation types, both layouts, three tile shapes, fused SwiGLU, padding
 # rows / k tails, an empty expert and rows owned by nobody.
 import zeroinfer.ops.moe_gemm as _mg  # noqa: E402
-from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
+from zeroinfer.ops import mxfp4_act_scale_mn_major, mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
 
 E, N, K = 5, 96, 288
 w = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8).cuda()
@@ -86,9 +86,12 @@ p8n = mxfp4_prepack(w8, s8, act_dtype=torch.float8_e4m3fn)
 x8n = torch.randn(310, K8, generator=gen).to("cuda", torch.float8_e4m3fn)
 sc8n = torch.rand(310, K8 // 128, generator=gen).cuda()
 off8 = torch.tensor([0, 300, 300, 305, 310, 310], dtype=torch.int32, device="cuda")
+# (and with token-contiguous scales: the strided a_scale reads)
 for tile in (2, 4):
     _mg._FORCE_TILE = tile
     mxfp4_grouped_gemm(x8n, p8n, None, expert_offsets=off8, a_scale=sc8n, out_dtype=torch.float32)
+    mxfp4_grouped_gemm(x8n, p8n, None, expert_offsets=off8, a_scale=mxfp4_act_scale_mn_major(sc8n),
+                       out_dtype=torch.float32)
 _mg._FORCE_TILE = 0
 
 torch.cuda.synchronize()

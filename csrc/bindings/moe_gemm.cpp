@@ -68,11 +68,14 @@ void register_moe_gemm(py::module_& m) {
          bool wide_scales, uintptr_t expert_offsets,
          uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out, int out_dtype,
          int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k, bool fuse_swiglu,
-         std::optional<double> swiglu_limit, int tile, uintptr_t a_kslot, uintptr_t stream) {
+         std::optional<double> swiglu_limit, int tile, uintptr_t a_kslot,
+         int64_t a_scale_row_stride, int64_t a_scale_k_stride, uintptr_t stream) {
 #ifdef ZEROINFER_WITH_CUDA
         Mxfp4CudaGemmParams p;
         set_common(p, a, a_dtype, a_scale, expert_offsets, expert_counts, masked_m, out,
                    out_dtype, num_experts, m_rows, cap, n, k, fuse_swiglu, swiglu_limit);
+        p.a_scale_row_stride = a_scale_row_stride;
+        p.a_scale_k_stride = a_scale_k_stride;
         p.w_packed = as_ptr<const uint8_t>(w_packed);
         p.row_base = as_ptr<const uint8_t>(row_base);
         p.n_pad = n_pad;
@@ -91,7 +94,7 @@ void register_moe_gemm(py::module_& m) {
         (void)expert_counts;
         (void)masked_m, (void)out, (void)out_dtype, (void)num_experts, (void)m_rows, (void)cap;
         (void)n, (void)k, (void)fuse_swiglu, (void)swiglu_limit, (void)tile, (void)a_kslot;
-        (void)stream;
+        (void)a_scale_row_stride, (void)a_scale_k_stride, (void)stream;
         throw std::runtime_error("zeroinfer._C was built without CUDA");
 #endif
       },
@@ -103,7 +106,8 @@ void register_moe_gemm(py::module_& m) {
       py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("masked_m"), py::arg("out"),
       py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
       py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"), py::arg("tile"),
-      py::arg("a_kslot"), py::arg("stream"));
+      py::arg("a_kslot"), py::arg("a_scale_row_stride"), py::arg("a_scale_k_stride"),
+      py::arg("stream"));
   def(m,
       "mxfp4_cuda_plan",
       [](bool fp8, bool masked, int64_t m_rows, int64_t num_experts, int64_t cap, int requested) {

@@ -1010,7 +1010,9 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // first scale: a valid address).
     const bool s_row = C::fp8 && tid < tile_rows;
     const float* s_next =
-        p.a_scale + (s_row ? static_cast<int64_t>(tile_row0 + tid) * (k / kBK) : 0);
+        p.a_scale +
+        (s_row ? static_cast<int64_t>(tile_row0 + tid) * p.a_scale_row_stride : 0);
+    const int64_t s_kstep = p.a_scale_k_stride;
     auto load_stage = [&](int slot_idx, int kt) {
       const uint32_t dst = smem_u32(smem) + w_dst + slot_idx * C::ws_bytes;
       cp_async16(dst, w_next, true);
@@ -1036,7 +1038,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       b_next += C::b_row_bytes;
       if constexpr (C::fp8) {  // k % 128 == 0 for e4m3: every stage is whole
         cp_async4_if(smem_u32(ws + C::w_bytes + tid * 4), s_next, tid < C::bm, s_row);
-        ++s_next;
+        s_next += s_kstep;
       }
     };
     float acc[C::acc_regs];
@@ -1437,7 +1439,6 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t items = sch.items;
-  const int k = static_cast<int>(p.k);
   const int kt_total = static_cast<int>(p.k_pad / kBK);
   const int64_t kb_total = sch.kb_total;
   // Row bases for the whole tile: both 64-row groups have them (a group's first row marks it).
@@ -1473,8 +1474,10 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
       }
       const bool s_row0 = ptid < w.tile_rows, s_row1 = ptid + 128 < w.tile_rows;
       const float* s_next =
-          p.a_scale + (s_row0 ? static_cast<int64_t>(w.tile_row0 + ptid) * (k / kBK) : 0);
-      const int64_t s_step1 = s_row1 ? 128 * (k / kBK) : 0;
+          p.a_scale + (s_row0 ? static_cast<int64_t>(w.tile_row0 + ptid) * p.a_scale_row_stride
+                              : 0);
+      const int64_t s_step1 = s_row1 ? 128 * p.a_scale_row_stride : 0;
+      const int64_t s_kstep = p.a_scale_k_stride;
       auto copy_stage = [&](int kt, int slot) {
         const uint32_t base = smem_u32(smem);
         if (ptid == 0) {
@@ -1488,7 +1491,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         }
         cp_async4_if(base + C::s_off(slot) + ptid * 4, s_next, true, s_row0);
         cp_async4_if(base + C::s_off(slot) + (ptid + 128) * 4, s_next + s_step1, true, s_row1);
-        ++s_next;
+        s_next += s_kstep;
       };
       // Strip kS pw + h of the stage in `slot`: its words and scale bytes -> e4m3 rows 16 strip +
       // g (+ 8), k 32 q + 16 hh + 4 t (the places the A fragments of the register tiles hold), a
@@ -1840,6 +1843,8 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
            "CUDA kernel activations must be bfloat16 or float8_e4m3fn");
   ZI_CHECK((p.a_dtype == DType::kFloat8E4M3) == (p.a_scale != nullptr),
            "a_scale is required exactly for float8 activations");
+  ZI_CHECK(p.a_scale == nullptr || (p.a_scale_row_stride >= 0 && p.a_scale_k_stride >= 0),
+           "a_scale_row_stride / a_scale_k_stride must be set (row-major a_scale: k/128, 1)");
   ZI_CHECK(p.out_dtype == DType::kBFloat16 || p.out_dtype == DType::kFloat32,
            "output dtype must be bfloat16 or float32");
   ZI_CHECK(p.k >= 32 && p.k % 32 == 0, "k must be a positive multiple of 32");

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zeroinfer.ops.moe_gemm import mxfp4_grouped_gemm
+from zeroinfer.ops.moe_gemm import mxfp4_act_scale_mn_major, mxfp4_grouped_gemm
 from zeroinfer.reference.moe_gemm import dequantize_expert_w4a8_f64, mxfp4_grouped_gemm_ref
 
 FP8 = torch.float8_e4m3fn
@@ -204,6 +204,44 @@ def test_masked(gen, E, N, K, dtype, mode):
 @pytest.mark.parametrize("E,N,K", [(1, 32, 128), (3, 64, 256), (8, 96, 256)])
 def test_fp8_activations(gen, E, N, K, mode, masked):
     run_case(gen, E=E, N=N, K=K, dtype=FP8, mode=mode, masked=masked)
+
+
+def _scale_layouts(a_scale):
+    """The same per-token scales in other memory layouts: token-contiguous (the layout the
+    CUDA prefill tile reads fastest), a strided view into a wider buffer, and (masked) a
+    per-expert transpose whose experts are not cap rows apart."""
+    out = {"mn_major": mxfp4_act_scale_mn_major(a_scale)}
+    wide = torch.full((*a_scale.shape[:-1], 2 * a_scale.shape[-1]), float("nan"))
+    wide[..., ::2] = a_scale
+    out["strided"] = wide[..., ::2]
+    if a_scale.dim() == 3:
+        out["per_expert_t"] = a_scale.transpose(1, 2).contiguous().transpose(1, 2)
+    return out
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fp8_scale_layouts(gen, masked):
+    """a_scale in any strided layout gives bitwise the row-major result (values, not memory
+    order, define it); the layouts really differ in memory."""
+    E, N, K = 3, 64, 384
+    w, s = rand_weights(gen, E, N, K)
+    if masked:
+        layout = {"masked_m": torch.tensor([5, 0, 7], dtype=torch.int32)}
+        a, a_scale = rand_act(gen, (E, 7, K), FP8)
+    else:
+        offsets, cnt, total = make_contiguous(gen, [9, 0, 6], 2)
+        layout = {"expert_offsets": offsets, "expert_counts": cnt}
+        a, a_scale = rand_act(gen, (total, K), FP8)
+    shape = (*a.shape[:-1], N)
+    want = mxfp4_grouped_gemm(a, w, s, a_scale=a_scale, out_dtype=torch.float32,
+                              out=poisoned(shape, torch.float32), **layout)
+    assert_matches_ref(want, a, w, s, out_dtype=torch.float32, a_scale=a_scale,
+                       initial=poisoned(shape, torch.float64), **layout)
+    for name, sc in _scale_layouts(a_scale).items():
+        assert not sc.is_contiguous() and torch.equal(sc, a_scale), name
+        got = mxfp4_grouped_gemm(a, w, s, a_scale=sc, out_dtype=torch.float32,
+                                 out=poisoned(shape, torch.float32), **layout)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name
 
 
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.bfloat16),

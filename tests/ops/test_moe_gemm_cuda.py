@@ -26,7 +26,8 @@ from test_moe_gemm import rand_weights as narrow_weights
 
 import zeroinfer.ops.moe_gemm as mg
 from zeroinfer import _C
-from zeroinfer.ops import Mxfp4PackedWeights, mxfp4_grouped_gemm, mxfp4_prepack, mxfp4_unpack
+from zeroinfer.ops import (Mxfp4PackedWeights, mxfp4_act_scale_mn_major, mxfp4_grouped_gemm,
+                           mxfp4_prepack, mxfp4_unpack)
 from zeroinfer.reference.moe_gemm import (dequantize_expert_f64, dequantize_expert_w4a8_f64,
                                           mxfp4_grouped_gemm_ref)
 
@@ -550,9 +551,10 @@ def make_case(gen, *, E, N, K, dtype, masked, counts=None, cap=None, pad_max=3, 
     return dict(w=w, s=s, a=a, a_scale=a_scale, layout=layout, rows=rows, fuse=fuse, lim=lim)
 
 
-def run_cuda(c, *, out_dtype, packed=True, check=True):
+def run_cuda(c, *, out_dtype, packed=True, check=True, a_scale_dev=None):
     """The op on the case's inputs; packed: prepack the weights first (or these
-    Mxfp4PackedWeights, on the GPU), else raw weights."""
+    Mxfp4PackedWeights, on the GPU), else raw weights; a_scale_dev: the case's a_scale as
+    given (on the GPU, any layout) instead of a copy of c["a_scale"]."""
     n_out = c["w"].shape[1] // 2 if c["fuse"] else c["w"].shape[1]
     out = poisoned((*c["rows"], n_out), out_dtype).to(DEV)
     w, s = c["w"].to(DEV), c["s"].to(DEV)
@@ -561,7 +563,8 @@ def run_cuda(c, *, out_dtype, packed=True, check=True):
     elif packed:
         act = c["a"].dtype if c["a"].dtype in (torch.bfloat16, FP8) else torch.bfloat16
         w, s = mxfp4_prepack(w, s, fuse_swiglu=c["fuse"], act_dtype=act), None
-    got = mxfp4_grouped_gemm(c["a"].to(DEV), w, s, a_scale=_to(c["a_scale"]),
+    a_scale = _to(c["a_scale"]) if a_scale_dev is None else a_scale_dev
+    got = mxfp4_grouped_gemm(c["a"].to(DEV), w, s, a_scale=a_scale,
                              fuse_swiglu=c["fuse"], swiglu_limit=c["lim"], out=out,
                              out_dtype=out_dtype, check=check,
                              **{k: v.to(DEV) for k, v in c["layout"].items()})
@@ -823,6 +826,33 @@ def test_cuda_wide_tile_many_items_short_k(gen, tile, K, mode, scales):
                   mode=mode, wlo=wlo, whi=whi, narrow=frac)
     pw = mxfp4_prepack(c["w"].to(DEV), c["s"].to(DEV), fuse_swiglu=c["fuse"], act_dtype=FP8)
     check_row_bases_bitwise(c, pw, f"{scales} {mode} K={K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_shape", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_a_scale_layouts_bitwise(gen, tile, tile_shape, masked):
+    """Every float8 tile reads a_scale through its strides: token-contiguous scales (the
+    prefill tile's fast layout), a strided view into a wider buffer and (masked) a per-expert
+    transpose (copied by the op) give bitwise the row-major result, which matches the
+    reference. Experts of 0 .. 300 rows: several token tiles of the wide tile."""
+    tile(tile_shape)
+    c = make_case(gen, E=5, N=256, K=512, dtype=FP8, masked=masked, counts=[0, 3, 40, 300, 129],
+                  mode="swiglu_limit")
+    pw = mxfp4_prepack(c["w"].to(DEV), c["s"].to(DEV), fuse_swiglu=c["fuse"], act_dtype=FP8)
+    want = run_cuda(c, out_dtype=torch.float32, packed=pw)
+    check_vs_ref(want, c, torch.float32, f"row-major masked={masked} tile={tile_shape}")
+    sc = c["a_scale"].to(DEV)
+    wide = torch.full((*sc.shape[:-1], 2 * sc.shape[-1]), float("nan"), device=DEV)
+    wide[..., ::2] = sc
+    layouts = {"mn_major": mxfp4_act_scale_mn_major(sc), "strided": wide[..., ::2]}
+    if masked:
+        layouts["per_expert_t"] = sc.transpose(1, 2).contiguous().transpose(1, 2)
+    for name, s_dev in layouts.items():
+        assert not s_dev.is_contiguous() and torch.equal(s_dev, sc), name
+        got = run_cuda(c, out_dtype=torch.float32, packed=pw, a_scale_dev=s_dev)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), \
+            f"{name} masked={masked} tile={tile_shape}: a_scale layout changed the result"
 
 
 @pytest.mark.gpu

@@ -104,6 +104,13 @@ struct Mxfp4CudaGemmParams {
   const void* a = nullptr;
   DType a_dtype = DType::kBFloat16;
   const float* a_scale = nullptr;
+  // a_scale[r, kb] is at a_scale + r * a_scale_row_stride + kb * a_scale_k_stride (elements; r the
+  // flat row, expert * cap + slot when masked). Row-major [rows, k/128] is (k/128, 1); the wide
+  // float8 tile copies a stage's scales of 256 consecutive rows at once, which a token-contiguous
+  // ("MN-major", (1, rows)) a_scale makes one coalesced read instead of 256 strided ones.
+  // Both must be set (>= 0) for float8.
+  int64_t a_scale_row_stride = -1;
+  int64_t a_scale_k_stride = -1;
   const uint8_t* w_packed = nullptr;  // see above
   // W4A8 only, optional: uint8 [num_experts, n_pad], one base per packed row (zeroinfer.ops.
   // mxfp4_prepack makes it; the values are trusted, and any value is memory safe). 0 or nullptr:

@@ -344,6 +344,30 @@ def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return w.contiguous(), sc.index_select(1, pos)[:, :, :pw.k // 32].contiguous()
 
 
+def _a_scale_strides(a_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:
+    """(a_scale, row stride, k-block stride) in elements, the kernel's flat-row addressing
+    ``row * row_stride + kb * k_stride`` (masked: row = expert * cap + slot). A masked tensor
+    whose expert stride is not ``cap`` row strides (or whose first two dims need distinct
+    strides for another reason) is copied to row-major."""
+    if a_scale is None:
+        return None, -1, -1
+    if a_scale.dim() == 3:
+        e, cap, _ = a_scale.shape
+        if e > 1 and cap > 0 and a_scale.stride(0) != cap * a_scale.stride(1):
+            a_scale = a_scale.contiguous()
+        return a_scale, a_scale.stride(1), a_scale.stride(2)
+    return a_scale, a_scale.stride(0), a_scale.stride(1)
+
+
+def mxfp4_act_scale_mn_major(a_scale: torch.Tensor) -> torch.Tensor:
+    """The same per-token scales ``[M, K/128]`` (or masked ``[E, cap, K/128]``) stored
+    token-contiguous: a view of a ``[K/128, rows]`` tensor (rows = M or E * cap, flat), the
+    layout the CUDA W4A8 prefill tile reads fastest (a stage's scales of 256 consecutive rows
+    in one coalesced read). Values and shape are unchanged."""
+    kb = a_scale.shape[-1]
+    return a_scale.reshape(-1, kb).t().contiguous().t().reshape(a_scale.shape)
+
+
 def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_rows, cap, k,
                  fuse, limit) -> None:
     dev = a.device
@@ -355,11 +379,12 @@ def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_
     a_kslot = _kslot_order(a) if wgmma and a.dtype == torch.bfloat16 else None
     if a.data_ptr() % 16:  # the kernel copies activation rows in 16-byte pieces
         a = a.clone()
+    a_scale, s_row, s_k = _a_scale_strides(a_scale)
     args = (ptr(a), dtype_code(a), ptr(a_scale), ptr(pw.data), ptr(pw.row_base), pw.n_pad,
             pw.k_pad, pw.fuse_swiglu, pw.act_dtype == _FP8, pw.wide_scales, ptr(offsets),
             ptr(counts), ptr(masked_m), ptr(out),
             dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, _FORCE_TILE,
-            ptr(a_kslot))
+            ptr(a_kslot), s_row, s_k)
     if dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
             _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev))
@@ -401,7 +426,11 @@ def mxfp4_grouped_gemm(
         masked_m: masked layout: int32 ``[E]`` in ``[0, cap]``: expert e owns rows
             ``[0, masked_m[e])`` of ``a[e]``.
         a_scale: float8 activations only: float32 per-token scales ``[M, K/128]`` /
-            ``[E, cap, K/128]``; ``a_real = a * a_scale[row, k // 128]``. With float8
+            ``[E, cap, K/128]``; ``a_real = a * a_scale[row, k // 128]``. Any strides: the
+            CUDA prefill tile is fastest with token-contiguous ("MN-major") scales, i.e. the
+            transposed view ``s.t()`` of a ``[K/128, M]`` tensor (``mxfp4_act_scale_mn_major``
+            makes one; a masked ``[E, cap, K/128]`` is addressed by flat row ``e * cap + slot``
+            and copied to row-major unless ``stride(0) == cap * stride(1)``). With float8
             activations the weights take part with their scale folded into e4m3 per (row, 128-k
             block) (exact unless a group's scale is > 14 binades under the block's largest; the
             rule is in zeroinfer/moe_gemm.h and ``dequantize_expert_w4a8_f64``).
@@ -494,7 +523,7 @@ def mxfp4_grouped_gemm(
             raise ValueError(f"{op}: K = a.shape[-1] = {k} must be a multiple of 128 for "
                              "float8_e4m3fn a (a_scale covers 128 values along K)")
         check_tensor(op, "a_scale", a_scale, dtypes=(torch.float32,),
-                     shape=(*a.shape[:-1], k // 128), device=device)
+                     shape=(*a.shape[:-1], k // 128), device=device, contiguous=False)
     elif a_scale is not None:
         raise ValueError(f"{op}: a_scale must be None for {_name(a.dtype)} a (it is only the "
                          "per-token scale of float8_e4m3fn activations)")
@@ -565,6 +594,8 @@ def mxfp4_grouped_gemm(
 
     if packed:
         w, w_scale = mxfp4_unpack(w)
+    if a_scale is not None:
+        a_scale = a_scale.contiguous()  # the CPU kernel reads row-major scales
     _C.mxfp4_grouped_gemm_cpu(
         ptr(a), dtype_code(a), ptr(a_scale), ptr(w), ptr(w_scale), ptr(expert_offsets),
         ptr(expert_counts), ptr(masked_m), ptr(out), dtype_code(out), num_experts, m_rows, cap,
