@@ -244,6 +244,20 @@ def test_fp8_scale_layouts(gen, masked):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name
 
 
+def test_fp8_strided_scale_alias_is_caught(gen):
+    """A strided a_scale reaches past numel elements: an output inside that reach is an alias."""
+    M, N, K = 4, 32, 256
+    w, s = rand_weights(gen, 1, N, K)
+    a, _ = rand_act(gen, (M, K), FP8)
+    kb = K // 128
+    storage = torch.rand(2 * M * kb + M * N, generator=gen)
+    a_scale = storage[:2 * M * kb].view(M, 2 * kb)[:, ::2]
+    out = storage[M * kb:M * kb + M * N].view(M, N)  # past numel, inside the view's reach
+    with pytest.raises(ValueError, match="must not alias input a_scale"):
+        mxfp4_grouped_gemm(a, w, s, a_scale=a_scale, out=out, out_dtype=torch.float32,
+                           expert_offsets=torch.tensor([0, M], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.bfloat16),
                                              (torch.bfloat16, torch.float32),
                                              (FP8, torch.float32)])

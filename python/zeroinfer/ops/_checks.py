@@ -67,8 +67,10 @@ def check_no_alias(op: str, outputs: dict[str, torch.Tensor],
     """Outputs must not overlap inputs in memory (the kernels read inputs while writing)."""
 
     def span(t: torch.Tensor) -> tuple[int, int]:
+        # the bytes from the first element to the last (a strided view reaches past numel)
         start = t.data_ptr()
-        return start, start + t.numel() * t.element_size()
+        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+        return start, start + (last + 1) * t.element_size()
 
     for on, o in outputs.items():
         if o.numel() == 0:
