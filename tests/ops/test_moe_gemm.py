@@ -206,12 +206,13 @@ def test_fp8_activations(gen, E, N, K, mode, masked):
     run_case(gen, E=E, N=N, K=K, dtype=FP8, mode=mode, masked=masked)
 
 
-def _scale_layouts(a_scale):
-    """The same per-token scales in other memory layouts: token-contiguous (the layout the
-    CUDA prefill tile reads fastest), a strided view into a wider buffer, and (masked) a
-    per-expert transpose whose experts are not cap rows apart."""
+def scale_layouts(a_scale):
+    """The same per-token scales in other memory layouts (on a_scale's device): token-contiguous
+    (the layout the CUDA prefill tile reads fastest), a strided view into a wider buffer, and
+    (masked) a per-expert transpose whose experts are not cap rows apart."""
     out = {"mn_major": mxfp4_act_scale_mn_major(a_scale)}
-    wide = torch.full((*a_scale.shape[:-1], 2 * a_scale.shape[-1]), float("nan"))
+    wide = torch.full((*a_scale.shape[:-1], 2 * a_scale.shape[-1]), float("nan"),
+                      device=a_scale.device)
     wide[..., ::2] = a_scale
     out["strided"] = wide[..., ::2]
     if a_scale.dim() == 3:
@@ -237,7 +238,7 @@ def test_fp8_scale_layouts(gen, masked):
                               out=poisoned(shape, torch.float32), **layout)
     assert_matches_ref(want, a, w, s, out_dtype=torch.float32, a_scale=a_scale,
                        initial=poisoned(shape, torch.float64), **layout)
-    for name, sc in _scale_layouts(a_scale).items():
+    for name, sc in scale_layouts(a_scale).items():
         assert not sc.is_contiguous() and torch.equal(sc, a_scale), name
         got = mxfp4_grouped_gemm(a, w, s, a_scale=sc, out_dtype=torch.float32,
                                  out=poisoned(shape, torch.float32), **layout)

@@ -21,13 +21,12 @@ import math
 import pytest
 import torch
 from test_moe_gemm import E8M0, FP8, assert_matches_ref, clamp_inputs, make_contiguous, poisoned
-from test_moe_gemm import rand_act, rand_counts
+from test_moe_gemm import rand_act, rand_counts, scale_layouts
 from test_moe_gemm import rand_weights as narrow_weights
 
 import zeroinfer.ops.moe_gemm as mg
 from zeroinfer import _C
-from zeroinfer.ops import (Mxfp4PackedWeights, mxfp4_act_scale_mn_major, mxfp4_grouped_gemm,
-                           mxfp4_prepack, mxfp4_unpack)
+from zeroinfer.ops import Mxfp4PackedWeights, mxfp4_grouped_gemm, mxfp4_prepack, mxfp4_unpack
 from zeroinfer.reference.moe_gemm import (dequantize_expert_f64, dequantize_expert_w4a8_f64,
                                           mxfp4_grouped_gemm_ref)
 
@@ -843,12 +842,7 @@ def test_cuda_a_scale_layouts_bitwise(gen, tile, tile_shape, masked):
     want = run_cuda(c, out_dtype=torch.float32, packed=pw)
     check_vs_ref(want, c, torch.float32, f"row-major masked={masked} tile={tile_shape}")
     sc = c["a_scale"].to(DEV)
-    wide = torch.full((*sc.shape[:-1], 2 * sc.shape[-1]), float("nan"), device=DEV)
-    wide[..., ::2] = sc
-    layouts = {"mn_major": mxfp4_act_scale_mn_major(sc), "strided": wide[..., ::2]}
-    if masked:
-        layouts["per_expert_t"] = sc.transpose(1, 2).contiguous().transpose(1, 2)
-    for name, s_dev in layouts.items():
+    for name, s_dev in scale_layouts(sc).items():
         assert not s_dev.is_contiguous() and torch.equal(s_dev, sc), name
         got = run_cuda(c, out_dtype=torch.float32, packed=pw, a_scale_dev=s_dev)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), \
