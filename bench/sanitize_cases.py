@@ -92,6 +92,20 @@ for tile in (2, 4):
     mxfp4_grouped_gemm(x8n, p8n, None, expert_offsets=off8, a_scale=sc8n, out_dtype=torch.float32)
     mxfp4_grouped_gemm(x8n, p8n, None, expert_offsets=off8, a_scale=mxfp4_act_scale_mn_major(sc8n),
                        out_dtype=torch.float32)
+# float8 wide tile, 192 items (3 experts x 2 token tiles x 32 weight tiles: two on some CTAs) of 3
+# stages with per-stage bases: the ring's slots and decoded buffers are reused within a CTA (the
+# producer's refills and factor stores after the consumers' empty / dfree arrivals), which no
+# case above reaches (at most one item of at most two stages a CTA). Session 20: racecheck
+# reported the factor hand-off on a branch's build of this case (moe_gemm_NOTES.md).
+wb = torch.randint(0, 256, (3, 4096, 384 // 2), generator=gen, dtype=torch.uint8).cuda()
+sb = torch.randint(115, 135, (3, 4096, 384 // 32), generator=gen, dtype=torch.uint8).cuda()
+pb = mxfp4_prepack(wb, sb, act_dtype=torch.float8_e4m3fn)
+xb = torch.randn(700, 384, generator=gen).to("cuda", torch.float8_e4m3fn)
+scb = torch.rand(700, 3, generator=gen).cuda()
+offb = torch.tensor([0, 300, 600, 700], dtype=torch.int32, device="cuda")
+_mg._FORCE_TILE = 2
+for dt in (torch.bfloat16, torch.float32):
+    mxfp4_grouped_gemm(xb, pb, None, expert_offsets=offb, a_scale=scb, out_dtype=dt)
 _mg._FORCE_TILE = 0
 
 torch.cuda.synchronize()
