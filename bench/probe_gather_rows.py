@@ -1,0 +1,133 @@
+"""How fast can the GPU gather the rows of the sparse-MLA benchmark's bf16 64-head b = 128 case
+(per query token: a 128-slot window + 512 sorted picks out of a 2048-entry pool, 1 KB rows;
+81,920 distinct rows, 84 MB), with no attention math at all? Two gathers, each timed like the
+benchmark (CUPTI kernel time, L2 flushed), against the streaming copy rate that the benchmark's
+floor uses:
+  - Triton: each program loads R rows and sums them (pure reads, many programs an SM);
+  - the kernel's own copy chain without its math (needs CuPy, which the H200 image has): one CTA
+    a token, 256 threads, tiles of 64 rows gathered by 16-byte cp.async into a ring of NBUF
+    64 KB buffers (NBUF - 1 tiles in flight; 2 = the kernel's double buffer), and a spin of
+    SPIN ns a tile where the kernel computes.
+An exploration aid for bench/results/h200/sparse_mla_NOTES.md (session 21); writes nothing.
+
+  python3 bench/probe_gather_rows.py
+"""
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, "bench")
+from bench_sparse_mla import make_inputs  # noqa: E402
+
+from zeroinfer.ops import sparse_mla_attention  # noqa: E402
+from zeroinfer.testing import bench  # noqa: E402
+
+
+@triton.jit
+def _gather_sum(main, extra, idx, eidx, out, W: tl.constexpr, K: tl.constexpr, R: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    e = c * R + tl.arange(0, R)
+    d = tl.arange(0, 512)
+    in_win = e < W
+    slot_w = tl.load(idx + t * W + e, mask=in_win, other=0)
+    slot_e = tl.load(eidx + t * K + (e - W), mask=~in_win, other=0)
+    pw = main + slot_w.to(tl.int64)[:, None] * 512 + d[None, :]
+    pe = extra + slot_e.to(tl.int64)[:, None] * 512 + d[None, :]
+    v = tl.where(in_win[:, None], tl.load(pw, mask=in_win[:, None], other=0.0),
+                 tl.load(pe, mask=~in_win[:, None], other=0.0))
+    tl.store(out + (t * tl.num_programs(1) + c) * 512 + d, tl.sum(v.to(tl.float32), axis=0))
+
+
+_CHAIN_SRC = r"""
+extern "C" __global__ void __launch_bounds__(256, 1)
+chain(const unsigned long long* rows, int ntiles, int nbuf, long long spin_ns, float* out) {
+  extern __shared__ __align__(1024) unsigned char sm[];
+  const int tid = threadIdx.x, j = tid & 7, e0 = tid >> 3;  // 32 rows at a time, 8 threads a row
+  const unsigned long long* my = rows + (long long)blockIdx.x * ntiles * 64;
+  auto issue = [&](int tile) {  // the kernel's swizzled layout: 8 panels of 64 rows x 128 B
+    const unsigned base = (unsigned)__cvta_generic_to_shared(sm) + (tile % nbuf) * 65536;
+    for (int r = 0; r < 2; ++r) {
+      const int e = e0 + 32 * r;
+      const char* src = (const char*)my[tile * 64 + e] + j * 16;
+      for (int p = 0; p < 8; ++p) {
+        const unsigned dst = base + p * 8192 + e * 128 + ((j ^ (e & 7)) << 4);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src + p * 128));
+      }
+    }
+    asm volatile("cp.async.commit_group;\n");
+  };
+  for (int t = 0; t < nbuf - 1; ++t) {
+    if (t < ntiles) issue(t); else asm volatile("cp.async.commit_group;\n");
+  }
+  float acc = 0.f;
+  for (int it = 0; it < ntiles; ++it) {
+    if (nbuf == 2) asm volatile("cp.async.wait_group 0;\n");  // nbuf - 2 groups may stay out
+    else if (nbuf == 3) asm volatile("cp.async.wait_group 1;\n");
+    else asm volatile("cp.async.wait_group 2;\n");
+    __syncthreads();
+    if (it + nbuf - 1 < ntiles) issue(it + nbuf - 1); else asm volatile("cp.async.commit_group;\n");
+    acc += *(const float*)(sm + (it % nbuf) * 65536 + tid * 16);
+    if (spin_ns > 0) {
+      unsigned long long t0, t1;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+      do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)); } while (t1 - t0 < spin_ns);
+    }
+    __syncthreads();
+  }
+  out[blockIdx.x * 256 + tid] = acc;
+}
+"""
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("probe_gather_rows.py needs a CUDA GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kw, distinct = make_inputs(128, 64, "bf16", "cuda", gen)
+    nbytes = distinct * 1024
+    main_c, extra_c = kw["kv_cache"].reshape(-1, 512), kw["extra_kv_cache"].reshape(-1, 512)
+    idx, eidx = kw["indices"].contiguous(), kw["extra_indices"].contiguous()
+    T, W = idx.shape
+    K = eidx.shape[1]
+    bw = bench.measure_cuda_ceilings()["hbm_bytes_per_s"]
+    print(f"{torch.cuda.get_device_name()}: copy rate {bw / 1e12:.2f} TB/s; {distinct} distinct "
+          f"rows, {nbytes / 1e6:.1f} MB")
+
+    def report(name, s):
+        print(f"{name:38s} {s * 1e6:7.1f} us  {nbytes / s / 1e12:5.2f} TB/s  "
+              f"{nbytes / s / bw:5.2f} of the copy rate")
+
+    for R, nw in ((16, 4), (32, 4), (64, 4), (64, 8)):
+        out = torch.empty(T * ((W + K) // R), 512, device="cuda")
+        report(f"triton gather, {R} rows a program, {nw} warps", bench.time_kernels(
+            lambda: _gather_sum[(T, (W + K) // R)](main_c, extra_c, idx, eidx, out, W=W, K=K,
+                                                    R=R, num_warps=nw)))
+    report("sparse_mla_attention (bf16, 64 heads)",
+           bench.time_kernels(lambda: sparse_mla_attention(**kw)))
+    try:
+        import cupy as cp
+    except ImportError:
+        print("(no CuPy: the copy-chain rows are skipped)")
+        return
+    fn = cp.RawModule(code=_CHAIN_SRC, options=("-std=c++17", "--gpu-architecture=sm_90"))
+    fn = fn.get_function("chain")
+    rows = torch.cat([main_c.data_ptr() + idx.long() * 1024,
+                      extra_c.data_ptr() + eidx.long() * 1024], 1).contiguous()
+    ntiles = rows.shape[1] // 64
+    out = torch.empty(T * 256, device="cuda")
+    for nbuf in (2, 3):
+        fn.max_dynamic_shared_size_bytes = nbuf * 65536
+        for spin in (0, 1000, 1500, 2000):
+            def go(nbuf=nbuf, spin=spin):
+                fn((T,), (256,), (cp.uint64(rows.data_ptr()), cp.int32(ntiles), cp.int32(nbuf),
+                                   cp.int64(spin), cp.uint64(out.data_ptr())),
+                   shared_mem=nbuf * 65536)
+            report(f"copy chain, {nbuf} buffers, {spin} ns a tile", bench.time_kernels(go))
+
+
+if __name__ == "__main__":
+    main()
