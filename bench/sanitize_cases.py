@@ -94,9 +94,10 @@ for tile in (2, 4):
                        out_dtype=torch.float32)
 # float8 wide tile, 192 items (3 experts x 2 token tiles x 32 weight tiles: two on some CTAs) of 3
 # stages with per-stage bases: the ring's slots and decoded buffers are reused within a CTA (the
-# producer's refills and factor stores after the consumers' empty / dfree arrivals), which no
-# case above reaches (at most one item of at most two stages a CTA). Racecheck reports 8 hazards
-# here on main (session 20: the factors' dfree hand-off, unresolved; moe_gemm_NOTES.md).
+# producer's refills and factor stores after the consumers' empty / dfree releases), which no
+# case above reaches (at most one item of at most two stages a CTA). Those releases were named
+# barriers, which racecheck reported here (8 hazards); they are mbarriers since session 21 and it
+# reports none (moe_gemm_NOTES.md).
 wb = torch.randint(0, 256, (3, 4096, 384 // 2), generator=gen, dtype=torch.uint8).cuda()
 sb = torch.randint(115, 135, (3, 4096, 384 // 32), generator=gen, dtype=torch.uint8).cuda()
 pb = mxfp4_prepack(wb, sb, act_dtype=torch.float8_e4m3fn)

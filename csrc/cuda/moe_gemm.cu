@@ -258,13 +258,14 @@ struct WsFp8Cfg {
   // full[s][0] completes when the producer handed slot s over AND warpgroup 1 issued its chain of
   // the stage before (count producers + 256); full[s][1] when warpgroup 0 issued its chain of slot
   // s (256), which also means the slot is full.
-  // dfree[d] = 1 + 3 stages + d: decoded buffer d released.
-  static constexpr int bar_full = 1, bar_empty = 1 + 2 * stages, bar_dfree = 1 + 3 * stages;
+  // The releases back to the producer (copy slot s refillable, decoded buffer d reusable) are
+  // mbarriers (empty_mb, dfree_mb in the kernel), not named barriers: see the kernel's comment.
+  static constexpr int bar_full = 1;
   static constexpr int full0_count = producers + 256, full1_count = 256;
-  static_assert(bar_dfree + 2 <= 16, "16 named barriers");
+  static_assert(bar_full + 2 * stages <= 16, "16 named barriers");
   static_assert(b_bytes % 1024 == 0 && a_bytes % 1024 == 0,
                 "swizzled operand tiles on 1024-byte boundaries");
-  static_assert(pipe_bytes + (3 * kMxfp4CudaMaxExperts + 1) * 4 + 1024 + 256 * 8 + 64 <=
+  static_assert(pipe_bytes + (3 * kMxfp4CudaMaxExperts + 1) * 4 + 1024 + 256 * 8 + 112 <=
                     227 * 1024,
                 "shared memory budget (ring, schedule, 2 KB of byte tables, mbarriers)");
   static_assert(kMxfp4RowBaseGroup == 64 && strips == 8, "a tile is two row-base groups");
@@ -1410,12 +1411,18 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
 // bases only where both 64-row groups have them): the rules give the same results, bitwise.
 // The e4m3 values, the wgmma k32 chains and the promotion order are those of every other float8
 // tile, so the results are bitwise theirs (tested).
-// Stages are handed over by named barriers: full[s][cw] (the producer arrives once its decode is
-// stored and fenced and the token tile landed; see WsFp8Cfg for the turn the consumers pass),
-// empty[s] (the consumers arrive after their last read of copy slot s; the producer waits before
-// refilling it) and dfree[d] (the same for decoded buffer d; a row-based item's last one after
-// the epilogue read its factors): only for the refills that exist, so both sides count the same
-// arrivals.
+// Stages are handed over by the named barriers full[s][cw] (the producer arrives once its decode
+// is stored and fenced and the token tile landed; see WsFp8Cfg for the turn the consumers pass)
+// and given back by the mbarriers empty[s] (every consumer thread arrives after its last read of
+// copy slot s; the producer waits before refilling it) and dfree[d] (the same for decoded buffer
+// d; a row-based item's last one after the epilogue read its factors): only for the refills that
+// exist, so both sides count the same arrivals. The give-backs were named barriers too (consumers
+// bar.arrive, producer bar.sync); compute-sanitizer's racecheck reports every read before such an
+// arrive against the producer's later writes (session 21: thousands of hazards on the a_scale and
+// factor reads, with or without a fence.acq_rel before the arrive), while an mbarrier arrive
+// (release) and wait (acquire) is a hand-off it follows. The price: 0.6-1.7% of kernel time (A/B
+// on an H100, W4A8 512-8192 rows an expert). One lane a warp arriving after a __syncwarp was as
+// fast as the named barrier (dfree, measured), but racecheck does not follow that hand-off.
 __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
     mxfp4_moe_fp8_ws_kernel(const __grid_constant__ WsFp8Params prm) {
   using C = WsFp8Cfg;
@@ -1425,13 +1432,17 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
   __shared__ uint2 luts[kE4m3Luts];
   __shared__ __align__(8) uint64_t tokens_mb[C::stages];   // the token tiles' TMA completions
   __shared__ __align__(8) uint64_t weights_mb[C::stages];  // the packed weights' ones
+  __shared__ __align__(8) uint64_t empty_mb[C::stages];   // copy slot s released (consumers)
+  __shared__ __align__(8) uint64_t dfree_mb[2];           // decoded buffer d released (consumers)
   e4m3_lut_init(reinterpret_cast<uint8_t*>(luts));
   if (threadIdx.x == 0) {
     if ((smem_u32(smem) & 1023u) != 0) __trap();
     for (int i = 0; i < C::stages; ++i) {
       mbar_init(smem_u32(&tokens_mb[i]), 1);
       mbar_init(smem_u32(&weights_mb[i]), 1);
+      mbar_init(smem_u32(&empty_mb[i]), C::consumers);
     }
+    for (int d = 0; d < 2; ++d) mbar_init(smem_u32(&dfree_mb[d]), C::consumers);
     mbar_init_fence();
   }
   const Schedule<C> sch(p, smem + C::pipe_bytes);  // (its barrier publishes the above)
@@ -1537,7 +1548,9 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
       // Stage kt of this item into the next slot of the CTA's stream (once the consumers
       // released the stage `stages` before it in the stream).
       auto fill = [&](int kt) {
-        if (filled >= C::stages) bar_sync(C::bar_empty + fill_slot, C::threads);
+        // (the k-th wait on a slot, k = filled / stages - 1, is for its phase of parity k & 1)
+        if (filled >= C::stages)
+          mbar_wait(smem_u32(&empty_mb[fill_slot]), ((filled / C::stages) & 1) ^ 1);
         copy_stage(kt, fill_slot);
         ++filled;
         fill_slot = fill_slot == C::stages - 1 ? 0 : fill_slot + 1;
@@ -1553,7 +1566,8 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         cp_async_commit();
         mbar_wait(smem_u32(&weights_mb[slot]), (phases >> slot) & 1u);  // the packed weights
         // decoded buffer decoded % 2: stage decoded - 2 released
-        if (decoded >= 2) bar_sync(C::bar_dfree + (decoded & 1), C::threads);
+        // (the same count for buffer d: k = decoded / 2 - 1)
+        if (decoded >= 2) mbar_wait(smem_u32(&dfree_mb[decoded & 1]), ((decoded >> 1) & 1) ^ 1);
         rows_f = kt == kt_total - 1;
 #pragma unroll
         for (int h = 0; h < kS; ++h) decode_strip(slot, decoded & 1, h);
@@ -1573,6 +1587,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::consumer_regs));
   const int cw = warp >> 2;
+  auto release_decoded = [&](int d) { mbar_arrive(smem_u32(&dfree_mb[d])); };
   // The stream's stages: `total` for this CTA, `taken` so far, the next in `slot`.
   const int my_items =
       items > blockIdx.x ? static_cast<int>((items - 1 - blockIdx.x) / gridDim.x) + 1 : 0;
@@ -1640,10 +1655,10 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         wgmma::wait<0>();
         wgmma::fence_operands(part);
         promote(1, part);
-        if (taken + C::stages < total) bar_arrive(C::bar_empty + slot, C::threads);  // refilled
+        if (taken + C::stages < total) mbar_arrive(smem_u32(&empty_mb[slot]));  // refilled
         // (redecoded; a row-based item's last stage releases it after the epilogue's factors)
         if (taken + 2 < total && (!kRowBased || taken + 1 < stop))
-          bar_arrive(C::bar_dfree + (taken & 1), C::threads);
+          release_decoded(taken & 1);
         ++taken;
         slot = next(slot);
       }
@@ -1666,7 +1681,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
           }
         }
       }
-      if (taken + 1 < total) bar_arrive(C::bar_dfree + ((taken - 1) & 1), C::threads);
+      if (taken + 1 < total) release_decoded((taken - 1) & 1);
     } else {
       stage_loop(std::false_type{});
     }
