@@ -253,8 +253,8 @@ struct WsFp8Cfg {
   static constexpr int acc_regs = bm / 2;  // a consumer thread's 2 chains x 64
   // A CTA's items run through the ring as one stream of stages (slot = stream index % stages),
   // so the next item's first stages fill under the last chains and the epilogue of the one
-  // before. Named barriers: full[s][cw] = 1 + 2 s + cw, empty[s] = 1 + 2 stages + s. The
-  // consumer warpgroups take turns issuing a stage's first chain (ping-pong):
+  // before. Named barriers: full[s][cw] = 1 + 2 s + cw. The consumer warpgroups take turns
+  // issuing a stage's first chain (ping-pong):
   // full[s][0] completes when the producer handed slot s over AND warpgroup 1 issued its chain of
   // the stage before (count producers + 256); full[s][1] when warpgroup 0 issued its chain of slot
   // s (256), which also means the slot is full.
