@@ -1,6 +1,7 @@
 """How fast can the GPU gather the rows of the sparse-MLA benchmark's bf16 64-head b = 128 case
 (per query token: a 128-slot window + 512 sorted picks out of a 2048-entry pool, 1 KB rows;
-81,920 distinct rows, 84 MB), with no attention math at all? Two gathers, each timed like the
+81,920 distinct rows, 84 MB), with no attention math at all? And the same lists over the FP8
+cache (584 bytes a row: 576 + 8 scale bytes elsewhere in the block), by Triton only. Two gathers, each timed like the
 benchmark (CUPTI kernel time, L2 flushed), against the streaming copy rate that the benchmark's
 floor uses:
   - Triton: each program loads R rows and sums them (pure reads, many programs an SM);
@@ -40,6 +41,31 @@ def _gather_sum(main, extra, idx, eidx, out, W: tl.constexpr, K: tl.constexpr, R
     v = tl.where(in_win[:, None], tl.load(pw, mask=in_win[:, None], other=0.0),
                  tl.load(pe, mask=~in_win[:, None], other=0.0))
     tl.store(out + (t * tl.num_programs(1) + c) * 512 + d, tl.sum(v.to(tl.float32), axis=0))
+
+
+@triton.jit
+def _gather_fp8(main, extra, idx, eidx, out, W: tl.constexpr, K: tl.constexpr, R: tl.constexpr):
+    """The FP8 layout's rows: 576 bytes (72 int64 words) at block * 64 * 584 + token * 576 and
+    8 scale bytes at block * 64 * 584 + 64 * 576 + token * 8, for 64-token blocks; XOR-summed."""
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    e = c * R + tl.arange(0, R)
+    d = tl.arange(0, 128)
+    in_win = e < W
+    slot = tl.where(in_win, tl.load(idx + t * W + e, mask=in_win, other=0),
+                    tl.load(eidx + t * K + (e - W), mask=~in_win, other=0)).to(tl.int64)
+    blk = (slot // 64) * (64 * 584 // 8)
+    row = blk + (slot % 64) * (576 // 8)
+    sc = blk + (64 * 576 // 8) + (slot % 64)
+    wmask = (d < 72)[None, :]
+    pw = main + row[:, None] + d[None, :]
+    pe = extra + row[:, None] + d[None, :]
+    v = tl.where(in_win[:, None], tl.load(pw, mask=wmask & in_win[:, None], other=0),
+                 tl.load(pe, mask=wmask & ~in_win[:, None], other=0))
+    s = tl.where(in_win, tl.load(main + sc, mask=in_win, other=0),
+                 tl.load(extra + sc, mask=~in_win, other=0))
+    x = tl.xor_sum(v, axis=1) ^ s
+    tl.store(out + (t * tl.num_programs(1) + c) * R + tl.arange(0, R), x)
 
 
 _CHAIN_SRC = r"""
@@ -108,6 +134,24 @@ def main() -> None:
                                                     R=R, num_warps=nw)))
     report("sparse_mla_attention (bf16, 64 heads)",
            bench.time_kernels(lambda: sparse_mla_attention(**kw)))
+    # The same lists over the FP8 cache (584 bytes a token: what the FP8 rows' floor counts).
+    kw8, distinct8 = make_inputs(128, 64, "fp8", "cuda", torch.Generator(device="cuda").manual_seed(0))
+    m8, e8 = kw8["kv_cache"].view(torch.int64), kw8["extra_kv_cache"].view(torch.int64)
+    i8, ei8 = kw8["indices"].contiguous(), kw8["extra_indices"].contiguous()
+    for R, nw in ((16, 4), (32, 4), (64, 4)):
+        out8 = torch.empty(T * (W + K), dtype=torch.int64, device="cuda")
+        s8 = bench.time_kernels(
+            lambda: _gather_fp8[(T, (W + K) // R)](m8, e8, i8, ei8, out8, W=W, K=K, R=R,
+                                                    num_warps=nw))
+        print(f"{f'triton FP8 gather, {R} rows a program':38s} {s8 * 1e6:7.1f} us  "
+              f"{distinct8 * 584 / s8 / 1e12:5.2f} TB/s  {distinct8 * 584 / s8 / bw:5.2f} of the "
+              f"copy rate (584 B a row)")
+    for h in (64, 16):
+        kwh, _ = make_inputs(128, h, "fp8", "cuda", torch.Generator(device="cuda").manual_seed(0))
+        s8 = bench.time_kernels(lambda: sparse_mla_attention(**kwh))
+        print(f"{f'sparse_mla_attention (FP8, {h} heads)':38s} {s8 * 1e6:7.1f} us  "
+              f"{distinct8 * 584 / s8 / 1e12:5.2f} TB/s  {distinct8 * 584 / s8 / bw:5.2f} of the "
+              f"copy rate (rows only)")
     try:
         import cupy as cp
     except ImportError:
