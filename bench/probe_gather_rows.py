@@ -1,9 +1,9 @@
 """How fast can the GPU gather the rows of the sparse-MLA benchmark's bf16 64-head b = 128 case
 (per query token: a 128-slot window + 512 sorted picks out of a 2048-entry pool, 1 KB rows;
-81,920 distinct rows, 84 MB), with no attention math at all? And the same lists over the FP8
-cache (584 bytes a row: 576 + 8 scale bytes elsewhere in the block), by Triton only. Two gathers, each timed like the
+81,920 distinct rows, 84 MB), with no attention math at all? Two gathers, each timed like the
 benchmark (CUPTI kernel time, L2 flushed), against the streaming copy rate that the benchmark's
-floor uses:
+floor uses (and the same lists over the FP8 cache - 584 bytes a row, the 8 scale bytes elsewhere
+in the block - by Triton only, beside the FP8 kernels):
   - Triton: each program loads R rows and sums them (pure reads, many programs an SM);
   - the kernel's own copy chain without its math (needs CuPy, which the H200 image has): one CTA
     a token, 256 threads, tiles of 64 rows gathered by 16-byte cp.async into a ring of NBUF
@@ -123,9 +123,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy rate {bw / 1e12:.2f} TB/s; {distinct} distinct "
           f"rows, {nbytes / 1e6:.1f} MB")
 
-    def report(name, s):
+    def report(name, s, nbytes=nbytes, note=""):
         print(f"{name:38s} {s * 1e6:7.1f} us  {nbytes / s / 1e12:5.2f} TB/s  "
-              f"{nbytes / s / bw:5.2f} of the copy rate")
+              f"{nbytes / s / bw:5.2f} of the copy rate{note}")
 
     for R, nw in ((16, 4), (32, 4), (64, 4), (64, 8)):
         out = torch.empty(T * ((W + K) // R), 512, device="cuda")
@@ -134,24 +134,22 @@ def main() -> None:
                                                     R=R, num_warps=nw)))
     report("sparse_mla_attention (bf16, 64 heads)",
            bench.time_kernels(lambda: sparse_mla_attention(**kw)))
-    # The same lists over the FP8 cache (584 bytes a token: what the FP8 rows' floor counts).
-    kw8, distinct8 = make_inputs(128, 64, "fp8", "cuda", torch.Generator(device="cuda").manual_seed(0))
+    # The same lists over the FP8 cache (584 bytes a token: what the FP8 rows' floor counts);
+    # the same seed gives the same lists for either head count.
+    fp8 = {h: make_inputs(128, h, "fp8", "cuda", torch.Generator(device="cuda").manual_seed(0))
+           for h in (64, 16)}
+    kw8, distinct8 = fp8[64]
     m8, e8 = kw8["kv_cache"].view(torch.int64), kw8["extra_kv_cache"].view(torch.int64)
     i8, ei8 = kw8["indices"].contiguous(), kw8["extra_indices"].contiguous()
+    out8 = torch.empty(T * (W + K), dtype=torch.int64, device="cuda")
     for R, nw in ((16, 4), (32, 4), (64, 4)):
-        out8 = torch.empty(T * (W + K), dtype=torch.int64, device="cuda")
-        s8 = bench.time_kernels(
+        report(f"triton FP8 gather, {R} rows a program", bench.time_kernels(
             lambda: _gather_fp8[(T, (W + K) // R)](m8, e8, i8, ei8, out8, W=W, K=K, R=R,
-                                                    num_warps=nw))
-        print(f"{f'triton FP8 gather, {R} rows a program':38s} {s8 * 1e6:7.1f} us  "
-              f"{distinct8 * 584 / s8 / 1e12:5.2f} TB/s  {distinct8 * 584 / s8 / bw:5.2f} of the "
-              f"copy rate (584 B a row)")
-    for h in (64, 16):
-        kwh, _ = make_inputs(128, h, "fp8", "cuda", torch.Generator(device="cuda").manual_seed(0))
-        s8 = bench.time_kernels(lambda: sparse_mla_attention(**kwh))
-        print(f"{f'sparse_mla_attention (FP8, {h} heads)':38s} {s8 * 1e6:7.1f} us  "
-              f"{distinct8 * 584 / s8 / 1e12:5.2f} TB/s  {distinct8 * 584 / s8 / bw:5.2f} of the "
-              f"copy rate (rows only)")
+                                                    num_warps=nw)), distinct8 * 584)
+    for h, (kwh, _) in fp8.items():
+        report(f"sparse_mla_attention (FP8, {h} heads)",
+               bench.time_kernels(lambda: sparse_mla_attention(**kwh)), distinct8 * 584,
+               " (rows only)")
     try:
         import cupy as cp
     except ImportError:
