@@ -1302,7 +1302,8 @@ __device__ __forceinline__ void quad_transpose(const uint32_t (&a)[4], int t, ui
 // is token 128 cw + 64 h + 16 wq + g + 8 (x / 2), weight row 8 j + 2 t + x % 2 of the tile, i.e.
 // strip j / 2, in-strip row 8 (j % 2) + 2 t + x % 2: the SwiGLU gate for j even, its up in j + 1).
 // No shared-memory staging: the ring is the producer's as soon as the last chain retired. Tokens
-// past tile_rows and columns past n_out are not written.
+// past tile_rows and columns past n_out are not written; nothing is without `store` (the
+// kernel's warm-up pass: the bf16 path's code runs, the pairs' does not).
 // bf16 outputs (the engine's case) go as 16-byte stores: a quad's lanes hold two adjacent columns
 // of each 8-column group of a row; a quad transpose of four groups gives each lane one whole
 // group, so a warp's store writes 8 rows x 64 contiguous bytes (whole sectors) - 4x fewer stores
@@ -1311,7 +1312,7 @@ __device__ __forceinline__ void quad_transpose(const uint32_t (&a)[4], int t, ui
 // widths that are not a multiple of 8.
 __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int strip0,
                                                int tile_row0, int tile_rows, int cw, int wq, int g,
-                                               int t, const float* acc) {
+                                               int t, const float* acc, bool store = true) {
   const bool bf16 = p.out_dtype == DType::kBFloat16;
   const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
   const int col0 = strip0 * (p.fuse_swiglu ? 8 : 16);
@@ -1349,7 +1350,7 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
             }
             quad_transpose(a, t, o);
             const int col = col0 + 8 * (4 * q + t);
-            if (tok < tile_rows && col < n_out)
+            if (store && tok < tile_rows && col < n_out)
               *reinterpret_cast<uint4*>(row + col) = make_uint4(o[0], o[1], o[2], o[3]);
           }
         }
@@ -1368,7 +1369,7 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int tok = cw * 128 + 64 * h + 16 * wq + g + 8 * r;
-      if (tok >= tile_rows) continue;
+      if (!store || tok >= tile_rows) continue;
       const int64_t row = static_cast<int64_t>(tile_row0 + tok) * n_out;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
@@ -1603,8 +1604,21 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
     w = sch.tile_of(p, blockIdx.x);
     row_based = tile_row_based(w);
   }
+  // The loop's first pass is a warm-up (`warm`): no stage loop, and the epilogue runs on the
+  // first item's tile with its stores switched off, so that its ~2,000 instructions are in the
+  // SM's instruction cache before the first real epilogue. The consumers would otherwise only
+  // wait at their first full barrier for the producer's ramp (schedule, first copies and decode:
+  // ~8 us, session 18's clock stamps), and the first item's epilogue took ~6 us longer than the
+  // later ones with its code cold. (One epilogue in the code: the same instructions warm up.)
 #pragma unroll 1
-  for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) - gridDim.x; it < items; it += gridDim.x) {
+    // it < 0, opaque to the compiler (so that it does not peel the warm-up into a second copy of
+    // the epilogue), worked out where needed (a flag kept across the stage loop costs it a spill)
+    auto warm_pass = [&] {
+      int f = it < 0;
+      asm volatile("" : "+r"(f));
+      return f != 0;
+    };
     float acc[C::acc_regs];
 #pragma unroll
     for (int i = 0; i < C::acc_regs; ++i) acc[i] = 0.f;
@@ -1637,7 +1651,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         }
       };
 #pragma unroll 1
-      for (const int stop = taken + kt_total; taken < stop;) {  // (no separate kt: one counter)
+      for (const int stop = taken + (warm_pass() ? 0 : kt_total); taken < stop;) {  // (one counter)
         bar_sync(C::bar_full + 2 * slot + cw, cw == 0 ? C::full0_count : C::full1_count);
         const uint8_t* base = smem + C::tok_off(slot);
         float part[64];
@@ -1663,7 +1677,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
         slot = next(slot);
       }
     };
-    if (row_based) {
+    if (row_based && !warm_pass()) {
       stage_loop(std::true_type{});
       // The columns' (weight rows') 2^(B - 133), which the producer left in the last stage's
       // decoded buffer (rows past the tile's strips: never stored); then that buffer is released.
@@ -1683,15 +1697,21 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
       }
       if (taken + 1 < total) release_decoded((taken - 1) & 1);
     } else {
-      stage_loop(std::false_type{});
+      stage_loop(std::false_type{});  // (no stages in the warm-up pass)
     }
     ItemTile wn = w;
-    bool rbn = false;
-    if (it + gridDim.x < items) {
-      wn = sch.tile_of(p, it + gridDim.x);
-      rbn = tile_row_based(wn);
+    bool rbn = row_based;
+    const bool warm = warm_pass();
+    if (!warm) {
+      rbn = false;
+      if (it + gridDim.x < items) {
+        wn = sch.tile_of(p, it + gridDim.x);
+        rbn = tile_row_based(wn);
+      }
     }
-    store_tokens_m(p, w.strip0, w.tile_row0, w.tile_rows, cw, warp & 3, g, t, acc);
+    // (the warm-up runs every row's code: all rows, no stores)
+    store_tokens_m(p, w.strip0, w.tile_row0, warm ? C::bm : w.tile_rows, cw, warp & 3, g, t, acc,
+                   !warm);
     w = wn;
     row_based = rbn;
   }
