@@ -3,7 +3,7 @@
 81,920 distinct rows, 84 MB), with no attention math at all? Two gathers, each timed like the
 benchmark (CUPTI kernel time, L2 flushed), against the streaming copy rate that the benchmark's
 floor uses (and the same lists over the FP8 cache - 584 bytes a row, the 8 scale bytes elsewhere
-in the block - by Triton only, beside the FP8 kernels):
+in the block - by Triton and by the copy chain, beside the FP8 kernels):
   - Triton: each program loads R rows and sums them (pure reads, many programs an SM);
   - the kernel's own copy chain without its math (needs CuPy, which the H200 image has): one CTA
     a token, 256 threads, tiles of 64 rows gathered by 16-byte cp.async into a ring of NBUF
@@ -109,6 +109,48 @@ chain(const unsigned long long* rows, int ntiles, int nbuf, long long spin_ns, f
 """
 
 
+# The same chain over the FP8 cache's rows: 576 bytes (36 16-byte chunks) and an 8-byte scale
+# group a row, a 64-row tile packed into a 37 KB buffer; no spin (the copies alone).
+_CHAIN_FP8_SRC = r"""
+extern "C" __global__ void __launch_bounds__(256, 1)
+chain_fp8(const unsigned long long* rows, const unsigned long long* scales, int ntiles, int nbuf,
+          float* out) {
+  extern __shared__ __align__(1024) unsigned char sm[];
+  const int tid = threadIdx.x;
+  const long long first = (long long)blockIdx.x * ntiles * 64;
+  constexpr int kBuf = 64 * 576 + 64 * 8;
+  auto issue = [&](int tile) {
+    const unsigned base = (unsigned)__cvta_generic_to_shared(sm) + (tile % nbuf) * kBuf;
+    for (int c = tid; c < 64 * 36; c += 256) {  // 9 chunks a thread: row c / 36, chunk c % 36
+      const int e = c / 36, k = c % 36;
+      const char* src = (const char*)rows[first + tile * 64 + e] + 16 * k;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(base + 16 * c), "l"(src));
+    }
+    if (tid < 64) {
+      const char* src = (const char*)scales[first + tile * 64 + tid];
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n"
+                   :: "r"(base + 64 * 576 + 8 * tid), "l"(src));
+    }
+    asm volatile("cp.async.commit_group;\n");
+  };
+  for (int t = 0; t < nbuf - 1; ++t) {
+    if (t < ntiles) issue(t); else asm volatile("cp.async.commit_group;\n");
+  }
+  float acc = 0.f;
+  for (int it = 0; it < ntiles; ++it) {
+    if (nbuf == 2) asm volatile("cp.async.wait_group 0;\n");
+    else if (nbuf == 3) asm volatile("cp.async.wait_group 1;\n");
+    else asm volatile("cp.async.wait_group 2;\n");
+    __syncthreads();
+    if (it + nbuf - 1 < ntiles) issue(it + nbuf - 1); else asm volatile("cp.async.commit_group;\n");
+    acc += *(const float*)(sm + (it % nbuf) * kBuf + tid * 16);
+    __syncthreads();
+  }
+  out[blockIdx.x * 256 + tid] = acc;
+}
+"""
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("probe_gather_rows.py needs a CUDA GPU")
@@ -169,6 +211,26 @@ def main() -> None:
                                    cp.int64(spin), cp.uint64(out.data_ptr())),
                    shared_mem=nbuf * 65536)
             report(f"copy chain, {nbuf} buffers, {spin} ns a tile", bench.time_kernels(go))
+    # FP8: the rows' and scale groups' addresses as _gather_fp8 works them out (64-token blocks)
+    fn8 = cp.RawModule(code=_CHAIN_FP8_SRC, options=("-std=c++17", "--gpu-architecture=sm_90"))
+    fn8 = fn8.get_function("chain_fp8")
+
+    def addr(base, slot, scale):
+        blk, tok = (slot.long() // 64) * (64 * 584), slot.long() % 64
+        return base + blk + (64 * 576 + tok * 8 if scale else tok * 576)
+
+    def both(scale):
+        return torch.cat([addr(m8.data_ptr(), i8, scale), addr(e8.data_ptr(), ei8, scale)],
+                         1).contiguous()
+
+    rows8, sc8 = both(False), both(True)
+    for nbuf in (2, 3, 4):
+        fn8.max_dynamic_shared_size_bytes = nbuf * (64 * 584)
+        def go8(nbuf=nbuf):
+            fn8((T,), (256,), (cp.uint64(rows8.data_ptr()), cp.uint64(sc8.data_ptr()),
+                               cp.int32(ntiles), cp.int32(nbuf), cp.uint64(out.data_ptr())),
+                shared_mem=nbuf * (64 * 584))
+        report(f"FP8 copy chain, {nbuf} buffers", bench.time_kernels(go8), distinct8 * 584)
 
 
 if __name__ == "__main__":
