@@ -1608,8 +1608,10 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
   // first item's tile with its stores switched off, so that its ~2,000 instructions are in the
   // SM's instruction cache before the first real epilogue. The consumers would otherwise only
   // wait at their first full barrier for the producer's ramp (schedule, first copies and decode:
-  // ~8 us, session 18's clock stamps), and the first item's epilogue took ~6 us longer than the
-  // later ones with its code cold. (One epilogue in the code: the same instructions warm up.)
+  // ~8 us, session 18's clock stamps), and the first item's epilogue took ~3.5-6 us longer than
+  // the later ones with its code cold. (One epilogue in the code: the same instructions warm up.)
+  // Measured (H100, moe_gemm_NOTES.md session 22): down -2.7% at 512 rows an expert, gate_up and
+  // 2048+ rows within noise (gate_up's first epilogue is long for another reason).
 #pragma unroll 1
   for (int64_t it = static_cast<int64_t>(blockIdx.x) - gridDim.x; it < items; it += gridDim.x) {
     // it < 0, opaque to the compiler (so that it does not peel the warm-up into a second copy of
