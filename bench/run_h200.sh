@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One call on the lent H200: build zeroinfer._C with CUDA (sm_90a), run the tests (GPU ones
 # included), compute-sanitizer on bench/sanitize_cases.py, the CUDA benchmarks and the engine
-# benchmark. Everything goes under $OUT: logs, and the benchmark JSON packed as $OUT/h200.tgz
-# (the device tool returns at most 8 files) to be unpacked into bench/results/.
+# benchmark. Everything goes under $OUT: logs, and the benchmark JSON of this card's folder
+# (bench.machine_name: h200, or e.g. h100-80gb-hbm3 when the pool lends an H100) packed as
+# $OUT/results.tgz (the device tool returns at most 8 files) to be unpacked into bench/results/.
 #   usage (device machine, repo root): bash bench/run_h200.sh [pytest args...]
 #   ZI_STEPS   which steps, default "build tests sanitize bench engine"
 #   ZI_BENCH   benchmark scripts, default every bench/bench_*.py
 set -uo pipefail
 OUT=${OUT:-/tmp/zeroinfer-out}
 STEPS=${ZI_STEPS:-build tests sanitize bench engine}
-mkdir -p "$OUT/h200"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c 'import torch;print(torch.__version__)'; } 2>&1 | tee "$OUT/env.log"
@@ -28,9 +28,12 @@ if has build; then
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 python3 -c 'import zeroinfer, json; print(json.dumps(zeroinfer.build_info()))' | tee -a "$OUT/env.log"
+# The results folder of this card, as the benchmarks name it (bench/results/<machine>/).
+MACHINE=$(python3 -c 'from zeroinfer.testing.bench import machine_name; print(machine_name("cuda"))')
+mkdir -p "$OUT/$MACHINE"
 
 if has tests; then
-  ZEROINFER_EXPECT_CUDA=1 ZEROINFER_RESULTS_DIR="$OUT/h200" python3 -m pytest -q -p no:cacheprovider \
+  ZEROINFER_EXPECT_CUDA=1 ZEROINFER_RESULTS_DIR="$OUT/$MACHINE" python3 -m pytest -q -p no:cacheprovider \
     "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | grep -vE '^(PASSED|SKIPPED)' | tail -40
   # The exception-boundary diagnostic (bench/diag_exceptions.py): C++ exceptions out of _C used
   # to crash on this image; it checks every import order and throw path in child processes.
@@ -59,4 +62,4 @@ if has engine; then
   python3 -m zeroinfer bench --device cuda --batch-sizes "${ZI_ENGINE_BATCHES:-1,8,32,64,128,256}" \
     --output-len 32 --out-dir "$OUT" 2>&1 | tee -a "$OUT/bench.log" | tail -25
 fi
-tar czf "$OUT/h200.tgz" -C "$OUT" h200 && rm -r "$OUT/h200"
+tar czf "$OUT/results.tgz" -C "$OUT" "$MACHINE" && rm -r "${OUT:?}/$MACHINE"
