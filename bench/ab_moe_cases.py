@@ -1,0 +1,52 @@
+"""Kernel times of MXFP4 grouped-GEMM cases under whichever zeroinfer build is on PYTHONPATH, for
+A/B runs of two or more builds (bench/ab_builds.sh alternates them, one build a process). Prints
+one JSON line {case: [kernel_us, output checksum]}: the checksum (the bf16 outputs' bits summed)
+tells whether a variant changed any result.
+
+  python3 bench/ab_moe_cases.py gate_up:512:skewed,down:2048:uniform[,...] [bf16]
+a case is gemm (gate_up / down) : tokens : routing (uniform / skewed, as bench_moe_gemm.py);
+activations are float8 (W4A8) unless `bf16` is given.
+"""
+
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, "bench")
+from bench_moe_gemm import (EXPERTS, HIDDEN, INTER, LIMIT, _quant_fp8, make_weights,  # noqa: E402
+                            routing_offsets)
+
+from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
+from zeroinfer.testing import bench  # noqa: E402
+
+
+def main() -> None:
+    cases = sys.argv[1].split(",")
+    act = torch.bfloat16 if "bf16" in sys.argv[2:] else torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(0)
+    dgen = torch.Generator(device="cuda").manual_seed(1)
+    packed, res = {}, {}
+    for case in cases:
+        name, tokens, routing = case.split(":")
+        n, k, fuse = (2 * INTER, HIDDEN, True) if name == "gate_up" else (HIDDEN, INTER, False)
+        if name not in packed:
+            w, s = make_weights(EXPERTS, n, k, dgen)
+            packed[name] = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
+            del w, s
+        offsets = routing_offsets(int(tokens), EXPERTS, routing == "skewed", gen).cuda()
+        x = torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda") * 0.5
+        a, a_scale = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
+
+        def run(pw=packed[name], a=a, a_scale=a_scale, offsets=offsets, fuse=fuse):
+            return mxfp4_grouped_gemm(a, pw, None, a_scale=a_scale, expert_offsets=offsets,
+                                      fuse_swiglu=fuse, swiglu_limit=LIMIT if fuse else None)
+
+        out = run()
+        chk = int(out.view(torch.int16).to(torch.int64).sum())
+        res[case] = [bench.time_kernels(run) * 1e6, chk]
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
