@@ -10,6 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/zeroinfer-out}
 STEPS=${ZI_STEPS:-build tests sanitize bench engine}
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c 'import torch;print(torch.__version__)'; } 2>&1 | tee "$OUT/env.log"
