@@ -1302,8 +1302,9 @@ __device__ __forceinline__ void quad_transpose(const uint32_t (&a)[4], int t, ui
 // is token 128 cw + 64 h + 16 wq + g + 8 (x / 2), weight row 8 j + 2 t + x % 2 of the tile, i.e.
 // strip j / 2, in-strip row 8 (j % 2) + 2 t + x % 2: the SwiGLU gate for j even, its up in j + 1).
 // No shared-memory staging: the ring is the producer's as soon as the last chain retired. Tokens
-// past tile_rows and columns past n_out are not written; nothing is without `store` (the
-// kernel's warm-up pass: the bf16 path's code runs, the pairs' does not).
+// past tile_rows and columns past n_out are not written. `warm` >= 0 is the kernel's warm-up pass
+// of consumer warp `warm`: nothing is stored, and the warp runs one half of the bf16 path (the
+// pairs' path not at all) - see the kernel.
 // bf16 outputs (the engine's case) go as 16-byte stores: a quad's lanes hold two adjacent columns
 // of each 8-column group of a row; a quad transpose of four groups gives each lane one whole
 // group, so a warp's store writes 8 rows x 64 contiguous bytes (whole sectors) - 4x fewer stores
@@ -1312,7 +1313,7 @@ __device__ __forceinline__ void quad_transpose(const uint32_t (&a)[4], int t, ui
 // widths that are not a multiple of 8.
 __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int strip0,
                                                int tile_row0, int tile_rows, int cw, int wq, int g,
-                                               int t, const float* acc, bool store = true) {
+                                               int t, const float* acc, int warm = -1) {
   const bool bf16 = p.out_dtype == DType::kBFloat16;
   const int n_out = static_cast<int>(p.fuse_swiglu ? p.n / 2 : p.n);
   const int col0 = strip0 * (p.fuse_swiglu ? 8 : 16);
@@ -1323,7 +1324,9 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
       constexpr bool kFuse = decltype(fuse)::value;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (cw * 128 + 64 * h + 16 * wq >= tile_rows) continue;  // (warp-uniform)
+        // (warp-uniform; the warm-up's even warps run half h = 1, the odd ones h = 0, so that
+        // they fetch the two halves of the cold code at once: no branch but this one's)
+        if (cw * 128 + 64 * h + 16 * wq >= tile_rows || (warm >= 0 && h == (warm & 1))) continue;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int tok = cw * 128 + 64 * h + 16 * wq + g + 8 * r;
@@ -1350,7 +1353,7 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
             }
             quad_transpose(a, t, o);
             const int col = col0 + 8 * (4 * q + t);
-            if (store && tok < tile_rows && col < n_out)
+            if (warm < 0 && tok < tile_rows && col < n_out)
               *reinterpret_cast<uint4*>(row + col) = make_uint4(o[0], o[1], o[2], o[3]);
           }
         }
@@ -1369,7 +1372,7 @@ __device__ __forceinline__ void store_tokens_m(const Mxfp4CudaGemmParams& p, int
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int tok = cw * 128 + 64 * h + 16 * wq + g + 8 * r;
-      if (!store || tok >= tile_rows) continue;
+      if (warm >= 0 || tok >= tile_rows) continue;
       const int64_t row = static_cast<int64_t>(tile_row0 + tok) * n_out;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
@@ -1597,21 +1600,22 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
   // Warpgroup 0 issues the kernel's first chain: the turn for it is given up front.
   if (cw == 1 && total > 0) bar_arrive(C::bar_full, C::full0_count);
   // The item's tile and base rule; the next item's are worked out before this one's epilogue, so
-  // that their loads (the row-base bytes, from L2) land under it, not before the next stage loop.
+  // that their loads (the row-base bytes, from L2) land under it, not before the next stage loop
+  // (the first item's under the warm-up's).
   ItemTile w{};
   bool row_based = false;
-  if (blockIdx.x < items) {
-    w = sch.tile_of(p, blockIdx.x);
-    row_based = tile_row_based(w);
-  }
-  // The loop's first pass is a warm-up (`warm`): no stage loop, and the epilogue runs on the
-  // first item's tile with its stores switched off, so that its ~2,000 instructions are in the
-  // SM's instruction cache before the first real epilogue. The consumers would otherwise only
-  // wait at their first full barrier for the producer's ramp (schedule, first copies and decode:
-  // ~8 us, session 18's clock stamps), and the first item's epilogue took ~3.5-6 us longer than
-  // the later ones with its code cold. (One epilogue in the code: the same instructions warm up.)
-  // Measured (H100, moe_gemm_NOTES.md session 22): down -2.7% at 512 rows an expert, gate_up and
-  // 2048+ rows within noise (gate_up's first epilogue is long for another reason).
+  // The loop's first pass is a warm-up (`warm`): no stage loop, and the epilogue runs with its
+  // stores switched off, so that its ~2,000 instructions are in the SM's instruction cache before
+  // the first real epilogue. The consumers would otherwise only wait at their first full barrier
+  // for the producer's ramp (schedule, first copies and decode: ~9.5 us), and the first item's
+  // epilogue took ~5-9 us longer than the later ones with its code cold (fetched line by line from
+  // HBM after the benchmark's L2 flush). (One epilogue in the code: the same instructions warm
+  // up.) The warm-up starts right after the schedule, and each consumer warp runs one half of the
+  // epilogue (store_tokens_m's `warm`), so that the halves' code is fetched at once: run whole by
+  // every warp after the first item's tile lookup, the warm-up of gate_up's SwiGLU path ended ~6
+  // us after the ramp and held the first stage back (clock stamps, moe_gemm_NOTES.md session 23;
+  // this form: gate_up -3.7% at 512 rows an expert on an H100, the rest within 1%; the halves cut
+  // again by r, or the blocks spread over all eight warps, measured no better or slower).
 #pragma unroll 1
   for (int64_t it = static_cast<int64_t>(blockIdx.x) - gridDim.x; it < items; it += gridDim.x) {
     // it < 0, opaque to the compiler (so that it does not peel the warm-up into a second copy of
@@ -1702,18 +1706,15 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
       stage_loop(std::false_type{});  // (no stages in the warm-up pass)
     }
     ItemTile wn = w;
-    bool rbn = row_based;
+    bool rbn = false;
     const bool warm = warm_pass();
-    if (!warm) {
-      rbn = false;
-      if (it + gridDim.x < items) {
-        wn = sch.tile_of(p, it + gridDim.x);
-        rbn = tile_row_based(wn);
-      }
+    if (it + gridDim.x < items) {  // (the warm-up's next is the first item)
+      wn = sch.tile_of(p, it + gridDim.x);
+      rbn = tile_row_based(wn);
     }
-    // (the warm-up runs every row's code: all rows, no stores)
+    // (the warm-up: every row, this warp's half of the code, no stores)
     store_tokens_m(p, w.strip0, w.tile_row0, warm ? C::bm : w.tile_rows, cw, warp & 3, g, t, acc,
-                   !warm);
+                   warm ? warp : -1);
     w = wn;
     row_based = rbn;
   }
