@@ -1,0 +1,82 @@
+"""What a cold instruction fetch costs an MXFP4 grouped-GEMM launch: after the L2 flush, the same
+case runs twice back to back on two independent sets of weights, tokens and offsets. The first
+launch finds everything cold (code included: the flush evicts the kernel's instructions, which
+every first-run code region then fetches from HBM); the second finds its data as cold but the
+code already in the L2 and the SMs' instruction caches - as a model's next layer would if the
+code survived in between. The difference bounds what a warm-up of the code could win (the
+float8 wide tile's epilogue warm-up, moe_gemm_NOTES.md sessions 22-23).
+
+  python3 bench/probe_cold_code.py [gate_up:1:uniform,down:128:uniform,...] [bf16]
+A case is gemm (gate_up / down) : tokens : routing (uniform / skewed), as bench/ab_moe_cases.py;
+W4A8 unless `bf16` is given. Prints a table (kernel us from the CUPTI records, medians).
+"""
+
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, "bench")
+from bench_moe_gemm import (EXPERTS, HIDDEN, INTER, LIMIT, _quant_fp8, make_weights,  # noqa: E402
+                            routing_offsets)
+
+from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
+from zeroinfer.testing import bench  # noqa: E402
+
+DEFAULT = ("gate_up:1:uniform,down:1:uniform,gate_up:32:uniform,down:32:uniform,"
+           "gate_up:512:skewed,down:512:skewed,gate_up:2048:skewed")
+
+
+def main() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    cases = (sys.argv[1] if len(sys.argv) > 1 and ":" in sys.argv[1] else DEFAULT).split(",")
+    act = torch.bfloat16 if "bf16" in sys.argv[1:] else torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(0)
+    dgen = torch.Generator(device="cuda").manual_seed(1)
+    flush = bench._l2_flush_buffer()
+    reps = 20
+    print(f"{'case':24} {'cold us':>9} {'warm code':>10} {'difference':>11}")
+    for case in cases:
+        name, tokens, routing = case.split(":")
+        n, k, fuse = (2 * INTER, HIDDEN, True) if name == "gate_up" else (HIDDEN, INTER, False)
+        offsets = routing_offsets(int(tokens), EXPERTS, routing == "skewed", gen).cuda()
+        calls = []
+        for _ in range(2):  # two independent sets: weights, tokens, offsets
+            w, s = make_weights(EXPERTS, n, k, dgen)
+            pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
+            del w, s
+            x = torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda") * 0.5
+            a, a_scale = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
+            off = offsets.clone()
+            calls.append(lambda pw=pw, a=a, a_scale=a_scale, off=off: mxfp4_grouped_gemm(
+                a, pw, None, a_scale=a_scale, expert_offsets=off, fuse_swiglu=fuse,
+                swiglu_limit=LIMIT if fuse else None))
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                flush.zero_()
+                calls[0]()
+                calls[1]()
+            torch.cuda.synchronize()
+        ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+        per = len(ev) // reps
+        if per * reps != len(ev) or per % 2 != 1:
+            raise RuntimeError(f"{len(ev)} device records for {reps} x (flush + 2 calls)")
+        half = (per - 1) // 2  # records of one call after the flush's
+        cold, warm = [], []
+        for i in range(reps):
+            chunk = ev[i * per:(i + 1) * per]
+            cold.append(sum(e.time_range.elapsed_us() for e in chunk[1:1 + half]))
+            warm.append(sum(e.time_range.elapsed_us() for e in chunk[1 + half:]))
+        c, wm = statistics.median(cold), statistics.median(warm)
+        print(f"{case:24} {c:9.1f} {wm:10.1f} {c - wm:8.1f} us", flush=True)
+        del calls
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
