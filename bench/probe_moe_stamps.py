@@ -17,7 +17,9 @@ bench/ab_moe_cases.py (gemm:tokens:routing, W4A8).
 Slots: consumer thread 0: 1 schedule built; pass p = 0 (the warm-up) .. 3: 2+3p first full barrier
 passed, 3+3p stage loop done, 4+3p epilogue done; 15 its end. Producer thread 0, item i = 0..2:
 20+6i item tile known, 21+6i first copies issued, 22+6i first weights landed, 23+6i first stage
-decoded, 24+6i first stage handed over, 25+6i last stage handed over. (Printf in the GEMM kernel
+decoded, 24+6i first stage handed over, 25+6i last stage handed over. Lane 0 of consumer warp w
+(0..7): 40+w / 48+w the epilogue of the first / second item done (the next item's first full
+barrier waits for the slowest warp of warpgroup 0). (Printf in the GEMM kernel
 itself would make ptxas serialise its wgmmas, hence the second kernel.)
 """
 
@@ -114,6 +116,8 @@ _PATCHES = [
      "    if (threadIdx.x == 0 && zp < 4) ZS_PUT(3 + 3 * zp, zs_t0);\n    ItemTile wn = w;\n"),
     ("    w = wn;\n    row_based = rbn;\n  }\n}",
      "    if (threadIdx.x == 0 && zp < 4) ZS_PUT(4 + 3 * zp, zs_t0);\n"
+     "    if ((threadIdx.x & 31) == 0 && zp >= 1 && zp <= 2)\n"
+     "      ZS_PUT(40 + 8 * (zp - 1) + (threadIdx.x >> 5), zs_t0);\n"
      "    w = wn;\n    row_based = rbn;\n  }\n"
      "  if (threadIdx.x == 0) {\n"
      "    g_zs[blockIdx.x * 64 + 16] = clock64() - zs_t0;\n"
