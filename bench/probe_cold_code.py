@@ -6,9 +6,13 @@ code already in the L2 and the SMs' instruction caches - as a model's next layer
 code survived in between. The difference bounds what a warm-up of the code could win (the
 float8 wide tile's epilogue warm-up, moe_gemm_NOTES.md sessions 22-23).
 
-  python3 bench/probe_cold_code.py [gate_up:1:uniform,down:128:uniform,...] [bf16]
-A case is gemm (gate_up / down) : tokens : routing (uniform / skewed), as bench/ab_moe_cases.py;
-W4A8 unless `bf16` is given. Prints a table (kernel us from the CUPTI records, medians).
+The same for sparse MLA attention (independent caches, queries and index lists).
+
+  python3 bench/probe_cold_code.py [gate_up:1:uniform,down:128:uniform,mla:64:128:fp8,...] [bf16]
+An MoE case is gemm (gate_up / down) : tokens : routing (uniform / skewed), as
+bench/ab_moe_cases.py, W4A8 unless `bf16` is given; an attention case is mla : heads : requests :
+cache (fp8 / bf16) [: query tokens a request], V4-Flash decode as bench/bench_sparse_mla.py.
+Prints a table (kernel us from the CUPTI records, medians).
 """
 
 import statistics
@@ -24,7 +28,43 @@ from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
 from zeroinfer.testing import bench  # noqa: E402
 
 DEFAULT = ("gate_up:1:uniform,down:1:uniform,gate_up:32:uniform,down:32:uniform,"
-           "gate_up:512:skewed,down:512:skewed,gate_up:2048:skewed")
+           "gate_up:512:skewed,down:512:skewed,gate_up:2048:skewed,"
+           "mla:64:1:fp8,mla:64:128:fp8,mla:16:128:fp8")
+
+
+def moe_calls(case, act, gen, dgen):
+    """Two launches of an MoE case on independent weights, tokens and offsets."""
+    name, tokens, routing = case.split(":")
+    n, k, fuse = (2 * INTER, HIDDEN, True) if name == "gate_up" else (HIDDEN, INTER, False)
+    offsets = routing_offsets(int(tokens), EXPERTS, routing == "skewed", gen).cuda()
+    calls = []
+    for _ in range(2):
+        w, s = make_weights(EXPERTS, n, k, dgen)
+        pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
+        del w, s
+        x = torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda") * 0.5
+        a, a_scale = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
+        off = offsets.clone()
+        calls.append(lambda pw=pw, a=a, a_scale=a_scale, off=off: mxfp4_grouped_gemm(
+            a, pw, None, a_scale=a_scale, expert_offsets=off, fuse_swiglu=fuse,
+            swiglu_limit=LIMIT if fuse else None))
+    return calls
+
+
+def mla_calls(case, dgen):
+    """Two calls of a sparse MLA decode case on independent caches, queries and lists."""
+    from bench_sparse_mla import make_inputs
+
+    from zeroinfer.ops import sparse_mla_attention
+
+    parts = case.split(":")
+    heads, requests, fmt = int(parts[1]), int(parts[2]), parts[3]
+    s_q = int(parts[4]) if len(parts) > 4 else 1
+    calls = []
+    for _ in range(2):
+        kw, _ = make_inputs(requests * s_q, heads, fmt, "cuda", dgen, s_q=s_q)
+        calls.append(lambda kw=kw: sparse_mla_attention(**kw))
+    return calls
 
 
 def main() -> None:
@@ -38,20 +78,8 @@ def main() -> None:
     reps = 20
     print(f"{'case':24} {'cold us':>9} {'warm code':>10} {'difference':>11}")
     for case in cases:
-        name, tokens, routing = case.split(":")
-        n, k, fuse = (2 * INTER, HIDDEN, True) if name == "gate_up" else (HIDDEN, INTER, False)
-        offsets = routing_offsets(int(tokens), EXPERTS, routing == "skewed", gen).cuda()
-        calls = []
-        for _ in range(2):  # two independent sets: weights, tokens, offsets
-            w, s = make_weights(EXPERTS, n, k, dgen)
-            pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
-            del w, s
-            x = torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda") * 0.5
-            a, a_scale = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
-            off = offsets.clone()
-            calls.append(lambda pw=pw, a=a, a_scale=a_scale, off=off: mxfp4_grouped_gemm(
-                a, pw, None, a_scale=a_scale, expert_offsets=off, fuse_swiglu=fuse,
-                swiglu_limit=LIMIT if fuse else None))
+        calls = mla_calls(case, dgen) if case.startswith("mla:") else moe_calls(case, act, gen,
+                                                                                dgen)
         for c in calls:
             c()
         torch.cuda.synchronize()
