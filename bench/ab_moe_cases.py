@@ -21,6 +21,32 @@ from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
 from zeroinfer.testing import bench  # noqa: E402
 
 
+def make_case(case, act, gen, dgen, packed=None, offsets=None):
+    """(run, offsets) for a case gemm:tokens:routing: run() launches the grouped GEMM on fresh
+    random tokens (gen draws the routing, dgen the device data). `packed` (a dict by gemm name)
+    shares the prepacked weights between cases; otherwise each call prepacks its own. `offsets`
+    reuses a routing (the same work on other data)."""
+    name, tokens, routing = case.split(":")
+    n, k, fuse = (2 * INTER, HIDDEN, True) if name == "gate_up" else (HIDDEN, INTER, False)
+    pw = packed.get(name) if packed is not None else None
+    if pw is None:
+        w, s = make_weights(EXPERTS, n, k, dgen)
+        pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
+        del w, s
+        if packed is not None:
+            packed[name] = pw
+    if offsets is None:
+        offsets = routing_offsets(int(tokens), EXPERTS, routing == "skewed", gen).cuda()
+    x = torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda") * 0.5
+    a, a_scale = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
+
+    def run():
+        return mxfp4_grouped_gemm(a, pw, None, a_scale=a_scale, expert_offsets=offsets,
+                                  fuse_swiglu=fuse, swiglu_limit=LIMIT if fuse else None)
+
+    return run, offsets
+
+
 def main() -> None:
     cases = sys.argv[1].split(",")
     act = torch.bfloat16 if "bf16" in sys.argv[2:] else torch.float8_e4m3fn
@@ -28,20 +54,7 @@ def main() -> None:
     dgen = torch.Generator(device="cuda").manual_seed(1)
     packed, res = {}, {}
     for case in cases:
-        name, tokens, routing = case.split(":")
-        n, k, fuse = (2 * INTER, HIDDEN, True) if name == "gate_up" else (HIDDEN, INTER, False)
-        if name not in packed:
-            w, s = make_weights(EXPERTS, n, k, dgen)
-            packed[name] = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
-            del w, s
-        offsets = routing_offsets(int(tokens), EXPERTS, routing == "skewed", gen).cuda()
-        x = torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda") * 0.5
-        a, a_scale = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
-
-        def run(pw=packed[name], a=a, a_scale=a_scale, offsets=offsets, fuse=fuse):
-            return mxfp4_grouped_gemm(a, pw, None, a_scale=a_scale, expert_offsets=offsets,
-                                      fuse_swiglu=fuse, swiglu_limit=LIMIT if fuse else None)
-
+        run, _ = make_case(case, act, gen, dgen, packed)
         out = run()
         chk = int(out.view(torch.int16).to(torch.int64).sum())
         res[case] = [bench.time_kernels(run) * 1e6, chk]

@@ -21,10 +21,8 @@ import sys
 import torch
 
 sys.path.insert(0, "bench")
-from bench_moe_gemm import (EXPERTS, HIDDEN, INTER, LIMIT, _quant_fp8, make_weights,  # noqa: E402
-                            routing_offsets)
+from ab_moe_cases import make_case  # noqa: E402
 
-from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
 from zeroinfer.testing import bench  # noqa: E402
 
 DEFAULT = ("gate_up:1:uniform,down:1:uniform,gate_up:32:uniform,down:32:uniform,"
@@ -33,22 +31,10 @@ DEFAULT = ("gate_up:1:uniform,down:1:uniform,gate_up:32:uniform,down:32:uniform,
 
 
 def moe_calls(case, act, gen, dgen):
-    """Two launches of an MoE case on independent weights, tokens and offsets."""
-    name, tokens, routing = case.split(":")
-    n, k, fuse = (2 * INTER, HIDDEN, True) if name == "gate_up" else (HIDDEN, INTER, False)
-    offsets = routing_offsets(int(tokens), EXPERTS, routing == "skewed", gen).cuda()
-    calls = []
-    for _ in range(2):
-        w, s = make_weights(EXPERTS, n, k, dgen)
-        pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
-        del w, s
-        x = torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda") * 0.5
-        a, a_scale = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
-        off = offsets.clone()
-        calls.append(lambda pw=pw, a=a, a_scale=a_scale, off=off: mxfp4_grouped_gemm(
-            a, pw, None, a_scale=a_scale, expert_offsets=off, fuse_swiglu=fuse,
-            swiglu_limit=LIMIT if fuse else None))
-    return calls
+    """Two launches of an MoE case on independent weights, tokens and offsets (one routing)."""
+    first, offsets = make_case(case, act, gen, dgen)
+    second, _ = make_case(case, act, gen, dgen, offsets=offsets.clone())
+    return [first, second]
 
 
 def mla_calls(case, dgen):

@@ -148,29 +148,15 @@ def run(cases: str) -> None:
     import torch
 
     sys.path.insert(0, "bench")
-    from bench_moe_gemm import (EXPERTS, HIDDEN, INTER, LIMIT, _quant_fp8, make_weights,
-                                routing_offsets)
+    from ab_moe_cases import make_case
 
-    from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack
     from zeroinfer.testing import bench
 
     gen = torch.Generator().manual_seed(0)
     dgen = torch.Generator(device="cuda").manual_seed(1)
     flush = bench._l2_flush_buffer()
     for case in cases.split(","):
-        name, tokens, routing = case.split(":")
-        n, k, fuse = (2 * INTER, HIDDEN, True) if name == "gate_up" else (HIDDEN, INTER, False)
-        w, s = make_weights(EXPERTS, n, k, dgen)
-        pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=torch.float8_e4m3fn)
-        del w, s
-        offsets = routing_offsets(int(tokens), EXPERTS, routing == "skewed", gen).cuda()
-        x = torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda") * 0.5
-        a, a_scale = _quant_fp8(x)
-
-        def gemm(pw=pw, a=a, a_scale=a_scale, offsets=offsets, fuse=fuse):
-            return mxfp4_grouped_gemm(a, pw, None, a_scale=a_scale, expert_offsets=offsets,
-                                      fuse_swiglu=fuse, swiglu_limit=LIMIT if fuse else None)
-
+        gemm, _ = make_case(case, torch.float8_e4m3fn, gen, dgen)
         for _ in range(3):
             gemm()
         for rep in range(2):
