@@ -1614,8 +1614,8 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
   // epilogue (store_tokens_m's `warm`), so that the halves' code is fetched at once: run whole by
   // every warp after the first item's tile lookup, the warm-up of gate_up's SwiGLU path ended ~6
   // us after the ramp and held the first stage back (clock stamps, moe_gemm_NOTES.md session 23;
-  // this form: gate_up -3.7% at 512 rows an expert on an H100, the rest within 1%; the halves cut
-  // again by r, or the blocks spread over all eight warps, measured no better or slower).
+  // this form: gate_up -3.7% at 512 rows an expert on an H100, the rest -1.6% to +0.3%; the
+  // halves cut again by r, or the blocks spread over all eight warps: no better, or slower).
 #pragma unroll 1
   for (int64_t it = static_cast<int64_t>(blockIdx.x) - gridDim.x; it < items; it += gridDim.x) {
     // it < 0, opaque to the compiler (so that it does not peel the warm-up into a second copy of
