@@ -35,9 +35,11 @@ __device__ __forceinline__ unsigned long long zs_gtime() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-#define ZS_PUT(slot, t0) (g_zs[blockIdx.x * 64 + (slot)] = clock64() - (t0))
+#define ZS_PUT(slot, t0) \
+  (blockIdx.x < 256 ? (void)(g_zs[blockIdx.x * 64 + (slot)] = clock64() - (t0)) : (void)0)
 __global__ void zs_print(int ctas) {
   static long long v[256];
+  ctas = ctas < 256 ? ctas : 256;  // (g_zs holds 256 CTAs)
   for (int s = 0; s < 64; ++s) {
     int n = 0;
     for (int c = 0; c < ctas; ++c) {
@@ -119,7 +121,7 @@ _PATCHES = [
      "    if ((threadIdx.x & 31) == 0 && zp >= 1 && zp <= 2)\n"
      "      ZS_PUT(40 + 8 * (zp - 1) + (threadIdx.x >> 5), zs_t0);\n"
      "    w = wn;\n    row_based = rbn;\n  }\n"
-     "  if (threadIdx.x == 0) {\n"
+     "  if (threadIdx.x == 0 && blockIdx.x < 256) {\n"
      "    g_zs[blockIdx.x * 64 + 16] = clock64() - zs_t0;\n"
      "    g_zs[blockIdx.x * 64 + 17] = static_cast<long long>(zs_gtime() - zs_g0);\n"
      "    ZS_PUT(15, zs_t0);\n  }\n}"),
