@@ -4,8 +4,9 @@ one JSON line {case: [kernel_us, output checksum]}: the checksum (the bf16 outpu
 tells whether a variant changed any result.
 
   python3 bench/ab_moe_cases.py gate_up:512:skewed,down:2048:uniform[,...] [bf16]
-a case is gemm (gate_up / down) : tokens : routing (uniform / skewed, as bench_moe_gemm.py);
-activations are float8 (W4A8) unless `bf16` is given.
+a case is gemm (gate_up / gate_up_plain / down) : tokens : routing (uniform / skewed, as
+bench_moe_gemm.py) [: fp8 / bf16]; activations are float8 (W4A8) unless the case or the `bf16`
+argument says bf16.
 """
 
 import json
@@ -27,7 +28,10 @@ def make_case(case, act, gen, dgen, packed=None, offsets=None):
     shares the prepacked weights between cases; otherwise each call prepacks its own. `offsets`
     reuses a routing (the same work on other data)."""
     name, tokens, routing = case.split(":")
-    n, k, fuse = (2 * INTER, HIDDEN, True) if name == "gate_up" else (HIDDEN, INTER, False)
+    # gate_up_plain: gate_up's shape without the fused SwiGLU (plain outputs), to tell what the
+    # epilogue costs from what the longer K does.
+    n, k, fuse = {"gate_up": (2 * INTER, HIDDEN, True), "gate_up_plain": (2 * INTER, HIDDEN, False),
+                  "down": (HIDDEN, INTER, False)}[name]
     pw = packed.get(name) if packed is not None else None
     if pw is None:
         w, s = make_weights(EXPERTS, n, k, dgen)
@@ -52,9 +56,12 @@ def main() -> None:
     act = torch.bfloat16 if "bf16" in sys.argv[2:] else torch.float8_e4m3fn
     gen = torch.Generator().manual_seed(0)
     dgen = torch.Generator(device="cuda").manual_seed(1)
-    packed, res = {}, {}
+    packed, res = {torch.bfloat16: {}, torch.float8_e4m3fn: {}}, {}
     for case in cases:
-        run, _ = make_case(case, act, gen, dgen, packed)
+        parts = case.split(":")
+        case_act = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[parts[3]] if len(
+            parts) > 3 else act
+        run, _ = make_case(":".join(parts[:3]), case_act, gen, dgen, packed[case_act])
         out = run()
         chk = int(out.view(torch.int16).to(torch.int64).sum())
         res[case] = [bench.time_kernels(run) * 1e6, chk]

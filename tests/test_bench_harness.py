@@ -9,13 +9,15 @@ import torch
 from zeroinfer.testing import bench
 
 
-def _records(calls, kernels, flush="Memset (Device)", seed=0):
-    """(name, start, duration) records of `calls` calls: the flush, then `kernels` kernels."""
+def _records(calls, kernels, flush=("reduce_kernel",), seed=0):
+    """(name, start, duration) records of `calls` calls: the flush's records, then `kernels`
+    kernels."""
     rng = random.Random(seed)
     recs, want, t = [], [], 0.0
     for _ in range(calls):
-        recs.append((flush, t, 50.0))
-        t += 55.0
+        for name in flush:
+            recs.append((name, t, 50.0))
+            t += 55.0
         total = 0.0
         for j in range(kernels):
             d = rng.uniform(1.0, 30.0)
@@ -29,22 +31,35 @@ def _records(calls, kernels, flush="Memset (Device)", seed=0):
 @pytest.mark.parametrize("kernels", [1, 3])
 def test_call_durations_sum_each_calls_records(kernels):
     recs, want = _records(calls=7, kernels=kernels, seed=kernels)
-    got = bench.call_durations_us(recs, 7, {"Memset (Device)"})
+    got = bench.call_durations_us(recs, 7, ["reduce_kernel"])
     assert got == pytest.approx(want)
+
+
+def test_call_durations_skip_a_flush_of_several_records():
+    flush = ("Memset (Device)", "reduce_kernel")
+    recs, want = _records(calls=5, kernels=2, flush=flush, seed=3)
+    assert bench.call_durations_us(recs, 5, list(flush)) == pytest.approx(want)
+    with pytest.raises(RuntimeError, match="start with the L2 flush"):  # the order matters
+        bench.call_durations_us(recs, 5, list(flush[::-1]))
 
 
 def test_call_durations_without_flush():
     recs, want = _records(calls=4, kernels=2, seed=5)
-    recs = [r for r in recs if not r[0].startswith("Memset")]
-    assert bench.call_durations_us(recs, 4, set()) == pytest.approx(want)
+    recs = [r for r in recs if r[0] != "reduce_kernel"]
+    assert bench.call_durations_us(recs, 4, []) == pytest.approx(want)
 
 
 def test_call_durations_reject_uneven_or_misaligned_records():
     recs, _ = _records(calls=3, kernels=2)
     with pytest.raises(RuntimeError, match="device records for 3 calls"):
-        bench.call_durations_us(recs[:-1], 3, {"Memset (Device)"})
+        bench.call_durations_us(recs[:-1], 3, ["reduce_kernel"])
     with pytest.raises(RuntimeError, match="start with the L2 flush"):
-        bench.call_durations_us(recs[1:] + recs[:1], 3, {"Memset (Device)"})
+        bench.call_durations_us(recs[1:] + recs[:1], 3, ["reduce_kernel"])
+
+
+def test_l2_flush_names_a_bad_mode():
+    with pytest.raises(ValueError, match="mode must be 'read' or 'memset'"):
+        bench.l2_flush("evict")
 
 
 @pytest.mark.gpu

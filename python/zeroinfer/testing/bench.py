@@ -75,11 +75,28 @@ _L2_FLUSH: torch.Tensor | None = None
 
 
 def _l2_flush_buffer() -> torch.Tensor:
-    """The 256 MiB buffer (well over the H200's 60 MB L2) whose memset flushes the L2."""
+    """The 256 MiB buffer (well over the H200's 60 MB L2) the L2 flush goes through."""
     global _L2_FLUSH
     if _L2_FLUSH is None:
-        _L2_FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        _L2_FLUSH = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")
     return _L2_FLUSH
+
+
+def l2_flush(mode: str = "read") -> Callable[[], object]:
+    """The L2 flush before every timed call: by default a read of the 256 MiB buffer (a sum),
+    which leaves the L2 holding only clean lines of that buffer, so the timed call finds none of
+    its data there and owes nothing to what ran before.
+
+    Not a memset (mode "memset", what the benchmarks used up to session 24): a memset leaves the
+    L2 full of dirty lines, and the first call that reads more than about the L2's size then pays
+    for writing them back - HBM traffic that belongs to the flush. Measured on the H100
+    (bench/probe_flush.py): an MXFP4 GEMM reading 53 MB of weights took 5 us longer right after a
+    memset than right after another call (33 vs 28 us), and as long after the read flush as after
+    the call (moe_gemm_NOTES.md, session 24)."""
+    if mode not in ("read", "memset"):
+        raise ValueError(f"l2_flush: mode must be 'read' or 'memset', got {mode!r}")
+    buf = _l2_flush_buffer()
+    return buf.sum if mode == "read" else buf.zero_
 
 
 def _warm_up(fn: Callable[[], object], calls: int) -> None:
@@ -91,14 +108,15 @@ def _warm_up(fn: Callable[[], object], calls: int) -> None:
 def time_cuda(fn: Callable[[], object], *, warmup: int = 5, reps: int = 50,
               flush_l2: bool = True) -> float:
     """Median time in seconds of fn() on the current CUDA stream, by CUDA events, with the L2
-    flushed (a 256 MiB memset, well over the H200's 60 MB L2) before every timed call."""
-    flush = _l2_flush_buffer() if flush_l2 else None
+    flushed (l2_flush: a read of 256 MiB, well over the H200's 60 MB L2) before every timed
+    call."""
+    flush = l2_flush() if flush_l2 else None
     _warm_up(fn, warmup)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
         if flush is not None:
-            flush.zero_()
+            flush()
         s.record()
         fn()
         e.record()
@@ -132,23 +150,23 @@ def time_kernels(fn: Callable[[], object], *, warmup: int = 3, reps: int = 30,
     for; DeepGEMM's bench_kineto measures the same way)."""
     from torch.profiler import ProfilerActivity, profile
 
-    flush = _l2_flush_buffer() if flush_l2 else None
+    flush = l2_flush() if flush_l2 else None
     _warm_up(fn, warmup)
 
     def device_records(p) -> list[tuple[str, float, float]]:
         ev = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         return [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in ev]
 
-    flush_names: set[str] = set()
-    if flush is not None:  # what the flush shows up as (a memset or a fill kernel)
+    flush_names: list[str] = []
+    if flush is not None:  # what the flush shows up as (its kernels, in order)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            flush.zero_()
+            flush()
             torch.cuda.synchronize()
-        flush_names = {name for name, _, _ in device_records(prof)}
+        flush_names = [name for name, _, _ in sorted(device_records(prof), key=lambda r: r[1])]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             if flush is not None:
-                flush.zero_()
+                flush()
             fn()
         torch.cuda.synchronize()
     records = sorted(device_records(prof), key=lambda r: r[1])
@@ -156,18 +174,18 @@ def time_kernels(fn: Callable[[], object], *, warmup: int = 3, reps: int = 30,
 
 
 def call_durations_us(records: Sequence[tuple[str, float, float]], calls: int,
-                      flush_names: set[str]) -> list[float]:
+                      flush_names: Sequence[str]) -> list[float]:
     """Per call, the summed duration (us) of its device records (name, start, duration), given in
     start order: every call launches the same records, so the calls are consecutive chunks of
-    equal length, each opened by the flush when flush_names is not empty (the flush not counted)."""
+    equal length, each opened by the flush's records (flush_names, in order; not counted)."""
     per = len(records) // calls if calls > 0 else 0
     if per == 0 or per * calls != len(records):
         raise RuntimeError(f"time_kernels: {len(records)} device records for {calls} calls")
-    skip = 1 if flush_names else 0
+    skip = len(flush_names)
     out = []
     for i in range(calls):
         chunk = records[i * per:(i + 1) * per]
-        if flush_names and chunk[0][0] not in flush_names:
+        if [name for name, _, _ in chunk[:skip]] != list(flush_names):
             raise RuntimeError("time_kernels: a call's records do not start with the L2 flush")
         out.append(sum(dur for _, _, dur in chunk[skip:]))
     return out

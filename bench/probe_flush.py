@@ -1,0 +1,110 @@
+"""What the L2 flush before a timed call leaves the call to pay. Each case runs twice back to
+back after the flush, on two independent sets of data (weights, tokens and offsets; caches,
+queries and lists), under each flush of zeroinfer.testing.bench.l2_flush: `memset` (a 256 MiB
+memset, which leaves the L2 full of dirty lines) and `read` (a 256 MiB sum, which leaves it full of
+clean ones). Both calls find their data cold; the first also inherits the flush's L2 state (and
+any instructions the flush evicted), the second the first call's.
+
+Measured on the H100 (moe_gemm_NOTES.md, session 24): after the memset, an MXFP4 GEMM reading 53
+MB of weights is ~5 us slower as the first call than as the second, one reading 27 MB is not - it
+is the dirty lines' write-back, not the call's cold instructions (the same code shows it for one
+weight shape and not the other).
+
+  python3 bench/probe_flush.py [gate_up:1:uniform,down:128:uniform,mla:64:128:fp8,...] [bf16]
+An MoE case is gemm (gate_up / gate_up_plain / down) : tokens : routing (uniform / skewed), as
+bench/ab_moe_cases.py, W4A8 unless `bf16` is given; an attention case is mla : heads : requests :
+cache (fp8 / bf16) [: query tokens a request], V4-Flash decode as bench/bench_sparse_mla.py.
+Prints a table (kernel us from the CUPTI records, medians).
+"""
+
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, "bench")
+from ab_moe_cases import make_case  # noqa: E402
+
+from zeroinfer.testing import bench  # noqa: E402
+
+DEFAULT = ("gate_up:1:uniform,gate_up_plain:1:uniform,down:1:uniform,gate_up:32:uniform,"
+           "down:32:uniform,gate_up:512:skewed,down:512:skewed,"
+           "mla:64:1:fp8,mla:64:128:fp8,mla:16:128:fp8,mla:64:128:bf16")
+MODES = ("memset", "read")
+
+
+def moe_calls(case, act, gen, dgen):
+    """Two launches of an MoE case on independent weights, tokens and offsets (one routing)."""
+    first, offsets = make_case(case, act, gen, dgen)
+    second, _ = make_case(case, act, gen, dgen, offsets=offsets.clone())
+    return [first, second]
+
+
+def mla_calls(case, dgen):
+    """Two calls of a sparse MLA decode case on independent caches, queries and lists."""
+    from bench_sparse_mla import make_inputs
+
+    from zeroinfer.ops import sparse_mla_attention
+
+    parts = case.split(":")
+    heads, requests, fmt = int(parts[1]), int(parts[2]), parts[3]
+    s_q = int(parts[4]) if len(parts) > 4 else 1
+    calls = []
+    for _ in range(2):
+        kw, _ = make_inputs(requests * s_q, heads, fmt, "cuda", dgen, s_q=s_q)
+        calls.append(lambda kw=kw: sparse_mla_attention(**kw))
+    return calls
+
+
+def first_second(calls, flush, reps=20):
+    """Median kernel us of the first and the second call after `flush`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def records(prof):
+        ev = (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        return sorted(ev, key=lambda e: e.time_range.start)
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush()
+        torch.cuda.synchronize()
+    n_flush = len(records(prof))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush()
+            calls[0]()
+            calls[1]()
+        torch.cuda.synchronize()
+    ev = records(prof)
+    per = len(ev) // reps
+    half = (per - n_flush) // 2  # records of one call
+    if per * reps != len(ev) or n_flush + 2 * half != per:
+        raise RuntimeError(f"{len(ev)} device records for {reps} x (flush + 2 calls)")
+    first, second = [], []
+    for i in range(reps):
+        chunk = ev[i * per + n_flush:(i + 1) * per]
+        first.append(sum(e.time_range.elapsed_us() for e in chunk[:half]))
+        second.append(sum(e.time_range.elapsed_us() for e in chunk[half:]))
+    return statistics.median(first), statistics.median(second)
+
+
+def main() -> None:
+    cases = (sys.argv[1] if len(sys.argv) > 1 and ":" in sys.argv[1] else DEFAULT).split(",")
+    act = torch.bfloat16 if "bf16" in sys.argv[1:] else torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(0)
+    dgen = torch.Generator(device="cuda").manual_seed(1)
+    flushes = {m: bench.l2_flush(m) for m in MODES}
+    print(f"{'case':24}" + "".join(f" {m + ' 1st':>11} {m + ' 2nd':>11}" for m in MODES))
+    for case in cases:
+        calls = mla_calls(case, dgen) if case.startswith("mla:") else moe_calls(case, act, gen,
+                                                                                dgen)
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+        cols = [first_second(calls, flushes[m]) for m in MODES]
+        print(f"{case:24}" + "".join(f" {a:11.1f} {b:11.1f}" for a, b in cols), flush=True)
+        del calls
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
