@@ -14,7 +14,8 @@ weight shape and not the other).
 An MoE case is gemm (gate_up / gate_up_plain / down) : tokens : routing (uniform / skewed), as
 bench/ab_moe_cases.py, W4A8 unless `bf16` is given; an attention case is mla : heads : requests :
 cache (fp8 / bf16) [: query tokens a request], V4-Flash decode as bench/bench_sparse_mla.py.
-Prints a table (kernel us from the CUPTI records, medians).
+Prints two tables (kernel us from the CUPTI records, medians): whether each flush evicts (a read
+of a buffer that fits the L2, as the first and the second call), then the cases.
 """
 
 import statistics
@@ -87,12 +88,25 @@ def first_second(calls, flush, reps=20):
     return statistics.median(first), statistics.median(second)
 
 
+def eviction_check(flushes) -> None:
+    """Does each flush evict? A sum over a buffer that fits the L2, twice after the flush: the
+    second read hits the L2 (what a flush that evicted nothing would leave); the first should
+    take as long as HBM makes it."""
+    print(f"{'sum over MB (fits L2)':24}" + "".join(f" {m + ' 1st':>11} {m + ' 2nd':>11}"
+                                                  for m in flushes))
+    for mb in (8, 16, 32):
+        x = torch.randn(mb << 18, device="cuda")
+        cols = [first_second([x.sum, x.sum], f) for f in flushes.values()]
+        print(f"{mb:24}" + "".join(f" {a:11.1f} {b:11.1f}" for a, b in cols), flush=True)
+
+
 def main() -> None:
     cases = (sys.argv[1] if len(sys.argv) > 1 and ":" in sys.argv[1] else DEFAULT).split(",")
     act = torch.bfloat16 if "bf16" in sys.argv[1:] else torch.float8_e4m3fn
     gen = torch.Generator().manual_seed(0)
     dgen = torch.Generator(device="cuda").manual_seed(1)
     flushes = {m: bench.l2_flush(m) for m in MODES}
+    eviction_check(flushes)
     print(f"{'case':24}" + "".join(f" {m + ' 1st':>11} {m + ' 2nd':>11}" for m in MODES))
     for case in cases:
         calls = mla_calls(case, dgen) if case.startswith("mla:") else moe_calls(case, act, gen,
