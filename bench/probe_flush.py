@@ -1,21 +1,21 @@
 """What the L2 flush before a timed call leaves the call to pay. Each case runs twice back to
 back after the flush, on two independent sets of data (weights, tokens and offsets; caches,
-queries and lists), under each flush of zeroinfer.testing.bench.l2_flush: `memset` (a 256 MiB
-memset, which leaves the L2 full of dirty lines) and `read` (a 256 MiB sum, which leaves it full of
-clean ones), and both in turn (the reference: certainly evicted, and clean). Both calls find their data cold; the first also inherits the flush's L2 state (and
-any instructions the flush evicted), the second the first call's.
+queries and lists), under each flush of zeroinfer.testing.bench.l2_flush - `memset` (a 256 MiB
+memset: the L2 full of dirty lines), `read` (a 256 MiB sum: full of clean ones) - and under both in
+turn (the reference: certainly evicted, then clean). Both calls find their data cold; the first
+inherits the flush's L2 state, the second the first call's. An eviction check comes first: a sum
+over a buffer that fits the L2, whose second read hits it.
 
 Measured on the H100 (moe_gemm_NOTES.md, session 24): after the memset, an MXFP4 GEMM reading 53
-MB of weights is ~5 us slower as the first call than as the second, one reading 27 MB is not - it
-is the dirty lines' write-back, not the call's cold instructions (the same code shows it for one
-weight shape and not the other).
+MB of weights took 32.6 us, after the read 26.4, after both 26.5; every case read 1st = both 1st
+within noise. The memset's dirty lines cost the call their write-back (what session 23 had read
+as cold instructions: the same kernel binary showed it for one weight shape and not another).
 
   python3 bench/probe_flush.py [gate_up:1:uniform,down:128:uniform,mla:64:128:fp8,...] [bf16]
 An MoE case is gemm (gate_up / gate_up_plain / down) : tokens : routing (uniform / skewed), as
 bench/ab_moe_cases.py, W4A8 unless `bf16` is given; an attention case is mla : heads : requests :
 cache (fp8 / bf16) [: query tokens a request], V4-Flash decode as bench/bench_sparse_mla.py.
-Prints two tables (kernel us from the CUPTI records, medians): whether each flush evicts (a read
-of a buffer that fits the L2, as the first and the second call), then the cases.
+Prints two tables (kernel us from the CUPTI records, medians): the eviction check, then the cases.
 """
 
 import statistics

@@ -1,8 +1,8 @@
 """HBM ceilings by access kind on the GPU at hand: copy (read + write, what every benchmark's
 roofline uses: zeroinfer.testing.bench.measure_cuda_ceilings), read-only (torch sum; a Triton
 streaming read where Triton is installed) and write-only (fill of float32 and of uint8 - the
-latter is the L2 flush's memset). An exploration aid for the notes under bench/results/h200/;
-writes nothing.
+latter is the memset that was the L2 flush up to session 24). An exploration aid for the notes
+under bench/results/h200/; writes nothing.
 
   python3 bench/probe_hbm_ceilings.py
 """

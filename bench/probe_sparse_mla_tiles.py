@@ -50,8 +50,9 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 def overheads(fmt: str, heads: int, gen: torch.Generator) -> None:
     """What the timing itself contains: a one-element op replayed as a graph (launch + events),
-    and the b = 128 call with the L2 left warm, flushed by the memset (the benchmark's way, which
-    leaves the L2 full of dirty lines), or flushed by a read (clean lines)."""
+    and the b = 128 call with the L2 left warm, flushed by a memset (the benchmarks' way up to
+    session 24, which leaves the L2 full of dirty lines), or by a read (clean lines; theirs
+    since)."""
     tiny = torch.zeros(1, device="cuda")
     print(f"null graph (L2 flushed): {bench.time_cuda_graph(lambda: tiny.add_(1)) * 1e6:.2f} us")
     kw, _ = make_inputs(128, heads, fmt, "cuda", gen)
@@ -61,19 +62,19 @@ def overheads(fmt: str, heads: int, gen: torch.Generator) -> None:
     with torch.cuda.graph(g):
         fn()
     warm = bench.time_cuda(g.replay, flush_l2=False)
-    memset = bench.time_cuda(g.replay)
-    buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda").random_()
+    read = bench.time_cuda(g.replay)  # (the benchmarks' flush since session 24)
+    memset = bench.l2_flush("memset")
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(30)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(30)]
     for s, e in zip(starts, ends):
-        buf.view(torch.int64).sum()
+        memset()
         s.record()
         g.replay()
         e.record()
     torch.cuda.synchronize()
-    read = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[15] * 1e3
-    print(f"b 128: L2 warm {warm * 1e6:.1f} us, memset flush {memset * 1e6:.1f} us, "
-          f"read flush {read:.1f} us")
+    after_memset = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[15] * 1e3
+    print(f"b 128: L2 warm {warm * 1e6:.1f} us, memset flush {after_memset:.1f} us, "
+          f"read flush {read * 1e6:.1f} us")
 
 
 def main() -> None:

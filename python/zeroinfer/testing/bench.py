@@ -90,9 +90,10 @@ def l2_flush(mode: str = "read") -> Callable[[], object]:
     Not a memset (mode "memset", what the benchmarks used up to session 24): a memset leaves the
     L2 full of dirty lines, and the first call that reads more than about the L2's size then pays
     for writing them back - HBM traffic that belongs to the flush. Measured on the H100
-    (bench/probe_flush.py): an MXFP4 GEMM reading 53 MB of weights took 5 us longer right after a
-    memset than right after another call (33 vs 28 us), and as long after the read flush as after
-    the call (moe_gemm_NOTES.md, session 24)."""
+    (bench/probe_flush.py): an MXFP4 GEMM reading 53 MB of weights took 32.6 us right after a
+    memset, 26.4 us after the read, 26.5 us after a memset followed by the read (which certainly
+    evicts, and cleans); sparse MLA's bf16 64-head b = 128 call 47.7 / 38.8 / 39.3 us
+    (moe_gemm_NOTES.md, session 24)."""
     if mode not in ("read", "memset"):
         raise ValueError(f"l2_flush: mode must be 'read' or 'memset', got {mode!r}")
     buf = _l2_flush_buffer()
