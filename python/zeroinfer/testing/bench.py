@@ -262,6 +262,9 @@ def write_results(family: str, rows: Sequence[dict[str, object]], *, device: str
         or platform.machine(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # (files before session 24 were timed after a memset flush: see l2_flush)
+        **({"l2_flush": "a 256 MiB read before each timed call (bench.l2_flush)"}
+           if device == "cuda" else {}),
         **(extra or {}),
         "rows": list(rows),
     }
