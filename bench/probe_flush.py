@@ -61,21 +61,17 @@ def first_second(calls, flush, reps=20):
     """Median kernel us of the first and the second call after `flush`."""
     from torch.profiler import ProfilerActivity, profile
 
-    def records(prof):
-        ev = (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        return sorted(ev, key=lambda e: e.time_range.start)
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         flush()
         torch.cuda.synchronize()
-    n_flush = len(records(prof))
+    n_flush = len(bench.device_records(prof))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             flush()
             calls[0]()
             calls[1]()
         torch.cuda.synchronize()
-    ev = records(prof)
+    ev = bench.device_records(prof)
     per = len(ev) // reps
     half = (per - n_flush) // 2  # records of one call
     if per * reps != len(ev) or n_flush + 2 * half != per:
@@ -83,8 +79,8 @@ def first_second(calls, flush, reps=20):
     first, second = [], []
     for i in range(reps):
         chunk = ev[i * per + n_flush:(i + 1) * per]
-        first.append(sum(e.time_range.elapsed_us() for e in chunk[:half]))
-        second.append(sum(e.time_range.elapsed_us() for e in chunk[half:]))
+        first.append(sum(dur for _, _, dur in chunk[:half]))
+        second.append(sum(dur for _, _, dur in chunk[half:]))
     return statistics.median(first), statistics.median(second)
 
 

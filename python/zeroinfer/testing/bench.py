@@ -154,24 +154,26 @@ def time_kernels(fn: Callable[[], object], *, warmup: int = 3, reps: int = 30,
     flush = l2_flush() if flush_l2 else None
     _warm_up(fn, warmup)
 
-    def device_records(p) -> list[tuple[str, float, float]]:
-        ev = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in ev]
-
     flush_names: list[str] = []
     if flush is not None:  # what the flush shows up as (its kernels, in order)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             flush()
             torch.cuda.synchronize()
-        flush_names = [name for name, _, _ in sorted(device_records(prof), key=lambda r: r[1])]
+        flush_names = [name for name, _, _ in device_records(prof)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             if flush is not None:
                 flush()
             fn()
         torch.cuda.synchronize()
-    records = sorted(device_records(prof), key=lambda r: r[1])
-    return statistics.median(call_durations_us(records, reps, flush_names)) / 1e6
+    return statistics.median(call_durations_us(device_records(prof), reps, flush_names)) / 1e6
+
+
+def device_records(prof) -> list[tuple[str, float, float]]:
+    """The device records (name, start, duration us) of a torch.profiler run, in start order."""
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(((e.name, e.time_range.start, e.time_range.elapsed_us()) for e in ev),
+                  key=lambda r: r[1])
 
 
 def call_durations_us(records: Sequence[tuple[str, float, float]], calls: int,
