@@ -125,6 +125,8 @@ void register_moe_gemm(py::module_& m) {
       py::arg("fp8"), py::arg("masked"), py::arg("m"), py::arg("num_experts"), py::arg("cap"),
       py::arg("requested"));
   m.attr("MXFP4_BLOCK_BYTES") = kMxfp4BlockBytes;
+  m.attr("MXFP4_GROUP_STRIPS") = kMxfp4GroupStrips;
+  m.attr("MXFP4_STAGE_BLOCKS") = kMxfp4StageBlocks;
   m.attr("MXFP4_PACK_ROWS") = kMxfp4PackRows;
   m.attr("MXFP4_PACK_K") = kMxfp4PackK;
   m.attr("MXFP4_CUDA_MAX_EXPERTS") = kMxfp4CudaMaxExperts;

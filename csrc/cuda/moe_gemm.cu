@@ -4,7 +4,8 @@
 // (8 per mma), so an expert with 1..8 tokens wastes no weight bandwidth. Weights are streamed in
 // the repacked layout (zeroinfer.ops.mxfp4_prepack): per 16 rows x 64 k, lane L's 16 bytes at
 // L*16 are exactly its A-fragment values for the block (bit layout per activation type, chosen
-// for the cheapest decode), followed by the block's 32 scale bytes.
+// for the cheapest decode), followed by the block's 32 scale bytes; per 64-row group, stage by
+// stage (a group's 4 strips x 2 blocks of one 128-k stage are one contiguous run).
 //
 // Numerics (identical for every tile shape, so results are batch-invariant and deterministic):
 //   W4A16 (bf16 activations): e2m1 -> bf16 is exact: a nibble s|c (c = 3 code bits) placed as
@@ -72,6 +73,9 @@ namespace {
 constexpr int kBK = 128;                              // k per pipeline stage
 constexpr int kBlk = kMxfp4BlockBytes;                // one packed 16 x 64 block
 constexpr int kStripStage = 2 * kMxfp4BlockBytes;     // one 16-row strip, one stage (k 128)
+// One 64-row group's stage (zeroinfer/moe_gemm.h): the step from a strip's stage to its next.
+constexpr int kGroupStage = kMxfp4GroupStrips * kStripStage;
+static_assert(kMxfp4StageBlocks * kMxfp4BlockBytes == kStripStage, "a stage is 2 blocks");
 constexpr int kStripChunks = kStripStage / 16;        // 16-byte cp.async chunks per strip stage
 static_assert(kStripStage % 16 == 0, "strip stage must be 16-byte chunks");
 static_assert(kMxfp4PackK % kBK == 0, "packed k must be whole stages");
@@ -562,9 +566,17 @@ __device__ void build_schedule(const Mxfp4CudaGemmParams& p, int* prefix, int* r
 struct ItemTile {
   int tile_row0, tile_rows;  // first row of a / out of the tile, rows in it (>= 1)
   int strip0, strips_valid;  // first packed 16-row strip, strips of the tile that exist
-  const uint8_t* wtile;      // the strips' packed weights
+  const uint8_t* wtile;      // the packed weights of its first 64-row group
   const uint8_t* row_base;   // their W4A8 row bases (Mxfp4CudaGemmParams::row_base) or nullptr
 };
+
+// Stage 0 of strip `strip` of a tile whose weights start at `wtile` (a 64-row group's start:
+// every tile is 4 or 8 strips from a multiple of its width); its stage kt is kt * kGroupStage on.
+__device__ __forceinline__ const uint8_t* strip_stages(const uint8_t* wtile, int strip,
+                                                       int64_t kb_total) {
+  return wtile + static_cast<int64_t>(strip & ~(kMxfp4GroupStrips - 1)) * kb_total * kBlk +
+         (strip & (kMxfp4GroupStrips - 1)) * kStripStage;
+}
 
 template <class C>
 struct Schedule {
@@ -629,6 +641,8 @@ struct Schedule {
     w.tile_rows = min(C::bm, cnt[e] - mt * C::bm);
     w.strip0 = nt * C::strips;
     w.strips_valid = min(C::strips, strips_total - w.strip0);
+    // (a group holds kMxfp4GroupStrips strips' bytes, so strip0 * a strip's bytes is its start)
+    static_assert(C::strips % kMxfp4GroupStrips == 0, "tiles are whole 64-row groups");
     w.wtile = p.w_packed + (static_cast<int64_t>(e) * strips_total + w.strip0) * kb_total * kBlk;
     w.row_base = p.row_base != nullptr
                      ? p.row_base + (static_cast<int64_t>(e) * strips_total + w.strip0) * 16
@@ -727,9 +741,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // kStripStage bytes, so a chunk's addresses are one add from the stage's. A warp whose strip
     // is past the weight rows (an edge tile) copies strip 0 again into its own slot, unread: no
     // branch in the stage loop.
-    const uint8_t* w_src = wtile +
-                           static_cast<int64_t>(warp < strips_valid ? warp : 0) * kb_total * kBlk +
-                           lane * 16;
+    const uint8_t* w_src =
+        strip_stages(wtile, warp < strips_valid ? warp : 0, kb_total) + lane * 16;
     const uint32_t w_dst = static_cast<uint32_t>(warp * kStripStage + lane * 16);
 
     // Activation chunks: thread tid copies 16-byte chunk a_cc of rows a_r0 + u * kRowStep; the
@@ -788,7 +801,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 #pragma unroll 1
     for (int s = 0; s < C::stages - 1; ++s) {
       if (s < kt_total)
-        load_stage(ring + s * C::stage_bytes, w_src + s * kStripStage, a_src + s * (kBK * kEsize),
+        load_stage(ring + s * C::stage_bytes, w_src + s * kGroupStage, a_src + s * (kBK * kEsize),
                    s < a_kt_end);
       cp_async_commit();
     }
@@ -800,7 +813,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // rolled: its stage holds four token-step variants, and unrolled it is no leaner a stage
     // (moe_gemm_NOTES.md, session 11).
     constexpr int kU = C::wt == 1 ? C::stages : 1;  // stages an iteration
-    const uint8_t* w_next = w_src + (C::stages - 1) * kStripStage;
+    const uint8_t* w_next = w_src + (C::stages - 1) * kGroupStage;
     const uint8_t* a_next = a_src + (C::stages - 1) * (kBK * kEsize);
     int slot0 = 0;  // the slot of the iteration's first stage (always 0 when kU == stages)
     // One stage: r its place in the iteration. kChecked: the copy it issues (stage kt + stages
@@ -814,7 +827,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       __syncthreads();
       const int nk = kt + C::stages - 1;
       if (!kChecked || nk < kt_total)
-        load_stage(ring + ws * C::stage_bytes, w_next + r * kStripStage,
+        load_stage(ring + ws * C::stage_bytes, w_next + r * kGroupStage,
                    a_next + r * (kBK * kEsize), !kChecked || nk < a_kt_end);
       cp_async_commit();
       const uint8_t* st = smem + rs * C::stage_bytes;
@@ -835,7 +848,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       }
     };
     auto next_iteration = [&] {
-      w_next += kU * kStripStage;
+      w_next += kU * kGroupStage;
       a_next += kU * (kBK * kEsize);
       if constexpr (kU != C::stages) slot0 = slot0 == C::stages - 1 ? 0 : slot0 + 1;
     };
@@ -1001,8 +1014,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // tile) copies strip 0 again into its own slot, unread: no branch around the copies.
     // The stage loop copies stages in order, so the sources advance by a constant a stage (a
     // stage's bookkeeping is a few adds, not 64-bit index arithmetic).
-    const uint8_t* w_next =
-        wtile + static_cast<int64_t>(strip_active ? sidx : 0) * kb_total * kBlk + lane * 16;
+    const uint8_t* w_next = strip_stages(wtile, strip_active ? sidx : 0, kb_total) + lane * 16;
     const uint32_t w_dst = static_cast<uint32_t>(C::b_ring + sidx * kStripStage + lane * 16);
     const bool w_last = lane + 64 < kStripChunks;  // the lane's third chunk (68 chunks)
     static_assert(kStripChunks > 64 && kStripChunks <= 96, "three chunks a lane a stage");
@@ -1019,7 +1031,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       cp_async16(dst, w_next, true);
       cp_async16(dst + 512, w_next + 512, true);
       cp_async16_if(dst + 1024, w_next + 1024, w_last);
-      w_next += kStripStage;
+      w_next += kGroupStage;
       uint8_t* ws = smem + C::b_ring + slot_idx * C::ws_bytes;
       // (k past the end, bf16 only: zero-filled from a valid dummy address, the same for every
       // row; float8 has k % 128 == 0.)
@@ -1268,7 +1280,7 @@ struct WsFp8Params {
   // a (e4m3 as uint8) [rows, k]: boxes of 128 k x 256 rows, 128-byte swizzle (64-byte aligned
   // by its type, as the TMA needs)
   CUtensorMap tokens;
-  // w_packed as [E x strips, kb_total x kBlk bytes]: a stage of 8 strips a box
+  // w_packed as [E x groups][stages][4 strips][kStripStage bytes]: a stage of 2 groups a box
   CUtensorMap weights;
 };
 
@@ -1475,9 +1487,10 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
       const ItemTile w = sch.tile_of(p, it);
       const bool row_based = tile_row_based(w);
       // Copies: thread 0 the stage's packed weights and its token tile by TMA; thread ptid the
-      // a_scale of tokens ptid and ptid + 128 (zero past the tile). w_row: the tile's first strip
-      // as a row of the weights' tensor map.
-      const int w_row = static_cast<int>((w.wtile - p.w_packed) / (kb_total * kBlk));
+      // a_scale of tokens ptid and ptid + 128 (zero past the tile). w_group: the tile's first
+      // 64-row group as a coordinate of the weights' tensor map.
+      const int w_group =
+          static_cast<int>((w.wtile - p.w_packed) / (kMxfp4GroupStrips * kb_total * kBlk));
       uint32_t rb[kS];  // rows g, g + 8 of strip kS pw + h: their row bases (low / high half)
 #pragma unroll
       for (int h = 0; h < kS; ++h) {
@@ -1499,7 +1512,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
           // the weights first (the decode waits for them; the tokens only the consumers)
           const uint32_t wbar = smem_u32(&weights_mb[slot]);
           mbar_arrive_expect_tx(wbar, C::w_bytes);
-          tma_load_2d(base + C::w_off(slot), &prm.weights, kt * (kStripStage / 8), w_row, wbar);
+          tma_load_4d(base + C::w_off(slot), &prm.weights, 0, 0, kt, w_group, wbar);
           const uint32_t bar = smem_u32(&tokens_mb[slot]);
           mbar_arrive_expect_tx(bar, C::b_bytes);
           tma_load_2d(base + C::tok_off(slot), &prm.tokens, kt * kBK, w.tile_row0, bar);
@@ -1727,9 +1740,9 @@ int64_t schedule_smem_bytes(int64_t num_experts) { return (3 * num_experts + 1) 
 
 // A 2-D tensor map over global memory (dims / box innermost first, strides in bytes), encoded
 // through the runtime's driver entry point, so that the extension needs no libcuda link.
-CUtensorMap encode_tensor_map(CUtensorMapDataType dtype, const void* base, const cuuint64_t* dims,
-                              const cuuint64_t* strides, const cuuint32_t* box,
-                              CUtensorMapSwizzle swizzle, const char* what) {
+CUtensorMap encode_tensor_map(CUtensorMapDataType dtype, int rank, const void* base,
+                              const cuuint64_t* dims, const cuuint64_t* strides,
+                              const cuuint32_t* box, CUtensorMapSwizzle swizzle, const char* what) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
                               const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
                               const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
@@ -1744,8 +1757,8 @@ CUtensorMap encode_tensor_map(CUtensorMapDataType dtype, const void* base, const
     return reinterpret_cast<Encode>(fn);
   }();
   CUtensorMap map{};
-  const cuuint32_t estr[2] = {1, 1};
-  const CUresult r = encode(&map, dtype, 2, const_cast<void*>(base), dims, strides, box, estr,
+  const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
+  const CUresult r = encode(&map, dtype, rank, const_cast<void*>(base), dims, strides, box, estr,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   ZI_CHECK(r == CUDA_SUCCESS, std::string("cuTensorMapEncodeTiled failed for ") + what);
@@ -1760,22 +1773,25 @@ CUtensorMap token_tensor_map(const Mxfp4CudaGemmParams& p, int box_rows) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.k), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.k)};  // bytes (e4m3)
   const cuuint32_t box[2] = {kBK, static_cast<cuuint32_t>(box_rows)};
-  return encode_tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a, dims, strides, box,
+  return encode_tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, p.a, dims, strides, box,
                            CU_TENSOR_MAP_SWIZZLE_128B, "the float8 token rows");
 }
 
-// The packed weights (zeroinfer/moe_gemm.h: per expert and 16-row strip, kb_total blocks of
-// kBlk bytes) as a 2-D tensor map of 8-byte elements: [E x strips] rows of kb_total x kBlk bytes,
-// boxes of one stage (2 blocks, 1088 bytes) x `box_strips` strips, no swizzle: one copy lands a
-// stage's strips in the copy slot as the decode reads them (kStripStage bytes a strip).
+// The packed weights (zeroinfer/moe_gemm.h: per expert, 64-row group and 128-k stage, the
+// group's 4 strips of kStripStage bytes) as a 4-D tensor map of 8-byte elements: {a strip's
+// stage, 4 strips, kt_total stages, E x groups}, boxes of one stage x `box_strips` / 4 groups, no
+// swizzle: one copy lands a stage's strips in the copy slot as the decode reads them (kStripStage
+// bytes a strip, in strip order).
 CUtensorMap weight_tensor_map(const Mxfp4CudaGemmParams& p, int box_strips) {
-  const int64_t row_bytes = (p.k_pad / 64) * kBlk;
-  static_assert(kStripStage % 16 == 0 && kStripStage / 8 <= 256, "a stage is one box row");
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_bytes / 8),
-                              static_cast<cuuint64_t>(p.num_experts * (p.n_pad / 16))};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
-  const cuuint32_t box[2] = {kStripStage / 8, static_cast<cuuint32_t>(box_strips)};
-  return encode_tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT64, p.w_packed, dims, strides, box,
+  static_assert(kStripStage % 16 == 0 && kStripStage / 8 <= 256, "a strip's stage is one box row");
+  const int64_t stages = p.k_pad / kBK;
+  const cuuint64_t dims[4] = {kStripStage / 8, kMxfp4GroupStrips, static_cast<cuuint64_t>(stages),
+                              static_cast<cuuint64_t>(p.num_experts * (p.n_pad / 64))};
+  const cuuint64_t strides[3] = {kStripStage, kGroupStage,
+                                 static_cast<cuuint64_t>(stages * kGroupStage)};  // bytes
+  const cuuint32_t box[4] = {kStripStage / 8, kMxfp4GroupStrips, 1,
+                             static_cast<cuuint32_t>(box_strips / kMxfp4GroupStrips)};
+  return encode_tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT64, 4, p.w_packed, dims, strides, box,
                            CU_TENSOR_MAP_SWIZZLE_NONE, "the packed weights");
 }
 

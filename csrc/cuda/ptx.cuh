@@ -87,6 +87,17 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, int 
       : "memory");
 }
 
+// The box of a 4-D tensor map at (x = innermost, y, z, w) -> shared memory at `dst`, as
+// tma_load_2d.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, int x, int y, int z,
+                                            int w, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(bar)
+      : "memory");
+}
+
 // 2^x for the softmax's per-score exponentials: one MUFU.EX2. exp2f adds a range test and two
 // multiplies a value to keep subnormal results; here those are probabilities below 2^-126 of a
 // row whose sum is at least 1 (the running maximum's own term), so flushing them to 0 is exact

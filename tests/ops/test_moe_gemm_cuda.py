@@ -81,6 +81,26 @@ def test_prepack_roundtrip(gen, E, N, K, fuse, act):
     assert torch.equal(pw2.data, pw.data)
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_prepack_stores_each_groups_stage_contiguously(gen, fuse):
+    """The byte address the CUDA kernels compute for strip s's 128-k stage t of an expert
+    (moe_gemm.cu strip_stages: the strip's 64-row group start, + (s % 4) strips' stages, + t
+    group stages; a group is 4 strips x k_pad / 64 blocks) holds that strip's blocks 2t, 2t + 1."""
+    E, N, K = 2, 136, 384  # n_pad 256: 4 groups; k_pad 384: 3 stages
+    w = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    s = torch.randint(0, 256, (E, N, K // 32), dtype=torch.uint8, generator=gen)
+    pw = mxfp4_prepack(w, s, fuse_swiglu=fuse)
+    blocks, flat = pw.blocks(), pw.data.flatten()
+    nb, kb, bb = blocks.shape[1], blocks.shape[2], _C.MXFP4_BLOCK_BYTES
+    assert (nb, kb) == (pw.n_pad // 16, pw.k_pad // 64)
+    for e in range(E):
+        for strip in range(nb):
+            for t in range(kb // 2):
+                at = (e * nb + (strip & ~3)) * kb * bb + (strip & 3) * 2 * bb + t * 4 * 2 * bb
+                want = blocks[e, strip, 2 * t:2 * t + 2].flatten()
+                assert torch.equal(flat[at:at + 2 * bb], want)
+
+
 def test_prepack_padding_and_interleave():
     """Padding rows / k hold zero values with scale 127; the interleave puts gate row 8b+i at
     packed row 16b+i and up row N/2+8b+i at 16b+8+i (read back through the bit map)."""
@@ -91,7 +111,7 @@ def test_prepack_padding_and_interleave():
         for fuse in (False, True):
             pw = mxfp4_prepack(w, s, fuse_swiglu=fuse, act_dtype=act)
             bit_map, sc_map = mg._block_maps(torch.device("cpu"), act)
-            d = pw.data[0]
+            d = pw.blocks()[0]
             pb = ((d[..., :512, None] >> torch.arange(8, dtype=torch.uint8)) & 1)
             pb = pb.reshape(*d.shape[:2], 4096)
             bits = torch.empty_like(pb).index_copy_(-1, bit_map, pb).reshape(*d.shape[:2], 1024, 4)
@@ -119,7 +139,7 @@ def test_prepack_padding_and_interleave():
 def _u32_words(pw):
     """Packed blocks as int64 words [E, nb, kb, 32 lanes, 4 words] (little-endian u32) and the
     scale words [E, nb, kb, 8 lane groups] (bytes (g,s0), (g,s1), (g+8,s0), (g+8,s1))."""
-    d = pw.data.to(torch.int64)
+    d = pw.blocks().to(torch.int64)
     body = d[..., :512].reshape(*d.shape[:3], 32, 4, 4)
     words = body[..., 0] | body[..., 1] << 8 | body[..., 2] << 16 | body[..., 3] << 24
     sc = d[..., 512:].reshape(*d.shape[:3], 8, 4)

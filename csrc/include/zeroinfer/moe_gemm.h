@@ -73,7 +73,13 @@ void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p);
 // ---- CUDA (sm_90a) ------------------------------------------------------------------------------
 // The CUDA kernels read the weights in a one-time REPACKED layout (zeroinfer.ops.mxfp4_prepack),
 // not the checkpoint layout above:
-//   packed uint8 [num_experts, n_pad / 16, k_pad / 64, kMxfp4BlockBytes]
+//   packed uint8 [num_experts, n_pad / 64, k_pad / 128, kMxfp4GroupStrips, kMxfp4StageBlocks,
+//                 kMxfp4BlockBytes]
+// i.e. per expert, per 64-row group and per 128-k stage, the group's 4 strips of 16 rows x 2
+// blocks: every tile (64 or 128 rows) reads a stage as one or two contiguous 4,352-byte runs.
+// (Stored strip by strip along k, a stage was four 1,088-byte pieces a quarter of the expert
+// apart; the contiguous runs are 1-6% faster on the decode tiles, bench/results/h200/
+// moe_gemm_NOTES.md session 24.)
 // One block = 16 weight rows x 64 k: 512 bytes of e2m1 values in mma-fragment order (lane L's 16
 // bytes at L*16 hold exactly its A-fragment values for the 4 k16 / 2 k32 steps of the block, bit
 // layout per activation type so that each decodes cheaply)
@@ -83,6 +89,8 @@ void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p);
 // up rows n/2 + 8b..8b+7, so a thread holds both halves of its SwiGLU pair. The exact bit layout
 // is documented (and built) in python/zeroinfer/ops/moe_gemm.py (_block_maps).
 constexpr int kMxfp4BlockBytes = 544;
+constexpr int kMxfp4GroupStrips = 4;  // 16-row strips of a 64-row group
+constexpr int kMxfp4StageBlocks = 2;  // 64-k blocks of a 128-k stage
 constexpr int kMxfp4PackRows = 128;
 constexpr int kMxfp4PackK = 128;
 // W4A8 row bases (Mxfp4CudaGemmParams::row_base): the window of B, 133 +- 32, keeps the scaled

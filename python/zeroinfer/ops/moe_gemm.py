@@ -49,8 +49,12 @@ def _kslot_order(a: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # The CUDA kernel's weight layout (one-time repack; csrc/include/zeroinfer/moe_gemm.h).
 #
-#   data: uint8 [E, n_pad / 16, k_pad / 64, 544]
+#   data: uint8 [E, n_pad / 64, k_pad / 128, 4, 2, 544]
 #
+# i.e. the blocks [E, n_pad / 16, k_pad / 64, 544] (Mxfp4PackedWeights.blocks()) stored stage by
+# stage per 64-row group: a group's 4 strips (16 rows each) x 2 blocks of one 128-k stage are one
+# contiguous 4,352-byte run, which every kernel tile reads whole (1-6% faster on the decode tiles
+# than strip by strip along k; moe_gemm_NOTES.md, session 24).
 # A block covers 16 (packed) weight rows x 64 k. Bytes 0..511 hold its 1024 e2m1 values in mma
 # fragment order: lane L = 4g + t (g = L // 4, t = L % 4) owns bytes 16L..16L+15 = four
 # little-endian 32-bit words; word w = 2s + h (s: 32-group of the block, h: 16-half of it) holds
@@ -102,6 +106,8 @@ def _bf16_pair_bits() -> dict[tuple[int, int, int], tuple[int, int, int, int]]:
 _BF16_PAIR_BITS = _bf16_pair_bits()
 _ACT_DTYPES_CUDA = (torch.bfloat16, _FP8)
 _BLOCK_MAPS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+_GROUP_ROWS = 16 * _C.MXFP4_GROUP_STRIPS  # packed rows of a 64-row group
+_STAGE_K = 64 * _C.MXFP4_STAGE_BLOCKS     # k of a stage
 
 
 def _pair_bits(act_dtype: torch.dtype) -> dict[tuple[int, int, int], tuple[int, int, int, int]]:
@@ -161,7 +167,8 @@ def _packed_rows(n: int, fuse_swiglu: bool, device: torch.device) -> tuple[int, 
 class Mxfp4PackedWeights:
     """MXFP4 expert weights repacked for the CUDA kernel (see ``mxfp4_prepack``).
 
-    data: uint8 ``[E, n_pad/16, k_pad/64, 544]``; n, k: the checkpoint's N and K; fuse_swiglu:
+    data: uint8 ``[E, n_pad/64, k_pad/128, 4, 2, 544]`` (the blocks of ``blocks()`` per 64-row
+    group and 128-k stage, see the layout note above); n, k: the checkpoint's N and K; fuse_swiglu:
     gate/up rows interleaved (use only with ``fuse_swiglu=True`` calls); act_dtype: the
     activation dtype the bit layout is for (bfloat16 or float8_e4m3fn); wide_scales: some scale
     byte may exceed 128 (the bf16 path then scales in two exact steps).
@@ -185,11 +192,18 @@ class Mxfp4PackedWeights:
 
     @property
     def n_pad(self) -> int:
-        return self.data.shape[1] * 16
+        return self.data.shape[1] * _GROUP_ROWS
 
     @property
     def k_pad(self) -> int:
-        return self.data.shape[2] * 64
+        return self.data.shape[2] * _STAGE_K
+
+    def blocks(self) -> torch.Tensor:
+        """The packed blocks in row-strip, k-block order: uint8 ``[E, n_pad/16, k_pad/64, 544]``
+        (a copy; ``data`` stores them per 64-row group and stage)."""
+        e, groups, stages = self.data.shape[:3]
+        return self.data.permute(0, 1, 3, 2, 4, 5).reshape(
+            e, groups * _C.MXFP4_GROUP_STRIPS, stages * _C.MXFP4_STAGE_BLOCKS, -1)
 
     @property
     def device(self) -> torch.device:
@@ -259,7 +273,9 @@ def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool =
     src = src.clamp(min=0)
     bit_map, sc_map = _block_maps(dev, act_dtype)
     nb, kb = n_pad // 16, k_pad // 64
-    data = torch.empty(num_experts, nb, kb, _C.MXFP4_BLOCK_BYTES, dtype=torch.uint8, device=dev)
+    gs, sb_ = _C.MXFP4_GROUP_STRIPS, _C.MXFP4_STAGE_BLOCKS
+    data = torch.empty(num_experts, nb // gs, kb // sb_, gs, sb_, _C.MXFP4_BLOCK_BYTES,
+                       dtype=torch.uint8, device=dev)
     row_base = (torch.empty(num_experts, n_pad, dtype=torch.uint8, device=dev)
                 if act_dtype == _FP8 else None)
     per = max(1, (1 << 26) // (n_pad * k_pad))  # bound the temporaries (~64 Mi values a chunk)
@@ -280,10 +296,14 @@ def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool =
         del blocks
         pb = bits.index_select(-1, bit_map).reshape(c, nb, kb, 512, 8)
         del bits
-        data[e0:e1, :, :, :512] = (pb << shifts).sum(-1, dtype=torch.uint8)
+        blk = torch.empty(c, nb, kb, _C.MXFP4_BLOCK_BYTES, dtype=torch.uint8, device=dev)
+        blk[..., :512] = (pb << shifts).sum(-1, dtype=torch.uint8)
         del pb
         sblk = sc.reshape(c, nb, 16, kb, 2).permute(0, 1, 3, 2, 4).reshape(c, nb, kb, 32)
-        data[e0:e1, :, :, 512:] = sblk.index_select(-1, sc_map)
+        blk[..., 512:] = sblk.index_select(-1, sc_map)
+        # (strip 4 g + s, block 2 t + b) -> data[g, t, s, b]
+        data[e0:e1] = blk.view(c, nb // gs, gs, kb // sb_, sb_, -1).permute(0, 1, 3, 2, 4, 5)
+        del blk
         if row_base is not None:
             row_base[e0:e1] = _w4a8_row_bases(sc)
     wide = bool((sb > 128).any()) if check_scales else True
@@ -293,14 +313,16 @@ def mxfp4_prepack(w: torch.Tensor, w_scale: torch.Tensor, *, fuse_swiglu: bool =
 def _check_packed(op: str, pw: Mxfp4PackedWeights) -> None:
     """A packed-weights object is consistent (it may have been built by hand)."""
     d = pw.data
-    check_tensor(op, "w.data", d, dtypes=(torch.uint8,), ndim=4)
+    check_tensor(op, "w.data", d, dtypes=(torch.uint8,), ndim=6)
     n_pad, _ = _packed_rows(pw.n, pw.fuse_swiglu, torch.device("cpu"))
     k_pad = -(-pw.k // _C.MXFP4_PACK_K) * _C.MXFP4_PACK_K
     if pw.act_dtype not in _ACT_DTYPES_CUDA:
         raise ValueError(f"{op}: w (Mxfp4PackedWeights) act_dtype must be bfloat16 or "
                          f"float8_e4m3fn, got {pw.act_dtype}")
     if (pw.n < 1 or pw.k < 32 or pw.k % 32 or (pw.fuse_swiglu and pw.n % 2)
-            or tuple(d.shape[1:]) != (n_pad // 16, k_pad // 64, _C.MXFP4_BLOCK_BYTES)
+            or tuple(d.shape[1:]) != (n_pad // _GROUP_ROWS, k_pad // _STAGE_K,
+                                      _C.MXFP4_GROUP_STRIPS, _C.MXFP4_STAGE_BLOCKS,
+                                      _C.MXFP4_BLOCK_BYTES)
             or d.shape[0] < 1):
         raise ValueError(f"{op}: w (Mxfp4PackedWeights) data of shape {tuple(d.shape)} does not "
                          f"match n={pw.n}, k={pw.k}, fuse_swiglu={pw.fuse_swiglu}; build it with "
@@ -321,7 +343,7 @@ def mxfp4_unpack(pw: Mxfp4PackedWeights) -> tuple[torch.Tensor, torch.Tensor]:
     [E, N, K/32])`` as uint8, on the packed weights' device (torch ops, no host sync)."""
     if not isinstance(pw, Mxfp4PackedWeights):
         raise TypeError(f"mxfp4_unpack: expected Mxfp4PackedWeights, got {type(pw).__name__}")
-    d = pw.data
+    d = pw.blocks()
     dev = d.device
     num_experts, nb, kb, _ = d.shape
     bit_map, sc_map = _block_maps(dev, pw.act_dtype)
