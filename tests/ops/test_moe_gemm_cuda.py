@@ -475,7 +475,7 @@ def test_packed_weights_bad_arguments(gen):
                                  pw.wide_scales)
     with pytest.raises(ValueError, match=r"w \(Mxfp4PackedWeights\) must be on cpu"):
         mxfp4_grouped_gemm(a, on_meta, None, expert_offsets=off)
-    bad = Mxfp4PackedWeights(pw.data[:, :, :1].contiguous(), pw.n, pw.k, False, torch.bfloat16,
+    bad = Mxfp4PackedWeights(pw.data[:, :1].contiguous(), pw.n, pw.k, False, torch.bfloat16,
                              True)
     with pytest.raises(ValueError, match=r"does not match n=64, k=128"):
         mxfp4_grouped_gemm(a, bad, None, expert_offsets=off)
