@@ -108,12 +108,15 @@ struct Cfg {
 };
 
 // Small decode tile, two rings: as a skewed-routing tier (a few experts of >= 9 rows while most
-// hold fewer: a fraction of a wave of work items, so each CTA's latency decides) 5 stages at 3
-// CTAs an SM; as the base tile (every expert ~4-32 rows: many waves) 3 stages at 5 CTAs. Measured
-// on the H200 (moe_gemm_NOTES.md, session 9): 3 x 5 is +5-9% at 512 / 1024 tokens uniform and
-// -23% at 32 tokens on 6 experts.
+// hold fewer: a fraction of a wave of work items, so each CTA's latency decides) 64 rows, 5
+// stages at 3 CTAs an SM; as the base tile (every expert ~4-32 rows: many waves) 128 rows (8
+// warps), 3 stages at 3 CTAs. Measured on the H200 (moe_gemm_NOTES.md, session 9): 3 stages x 5
+// CTAs is +5-9% at 512 / 1024 tokens uniform and -23% at 32 tokens on 6 experts. 128 rows halve
+// the L2 re-reads of each expert's tokens (one a row tile); on the H100 (session 25) +3.6% at 512
+// tokens uniform as the base, but -15-19% at 32 tokens on 6 experts as the tier (half the CTAs:
+// 192 items on 132 SMs), hence only as the base.
 using SmallCfg = Cfg<4, 1, 1, 4, 5, 3>;
-using SmallBaseCfg = Cfg<4, 1, 1, 4, 3, 5>;
+using SmallBaseCfg = Cfg<8, 1, 1, 4, 3, 3>;
 // Tiny decode tile: 4 warps x (16 rows x 8 tokens) = 64 x 8. Same per-warp work as the small tile
 // for <= 8 rows per expert, but a 4x smaller activation stage and a 4-token-step smaller
 // accumulator, so 7 CTAs (<= 72 registers) fit an SM instead of 3: more warps to hide the
@@ -196,9 +199,12 @@ using WgFp8Cfg = WgCfg<true, 2, 64, 5, 3, 2, true>;
 // The float8 decode tiles' rings as the bf16 ones (SmallCfg, TinyCfg): tiny 4 stages x 7 CTAs
 // everywhere; small 5 x 4 as a skewed tier, 4 x 5 as the base. Measured on the H200 (session 9)
 // against tiny 5 x 6 / small 5 x 4: +2-6% of HBM at 8-1024 tokens uniform, the same at 1 token;
-// the 4 x 5 small ring -2-3% on 32 tokens over 6 experts (hence only as the base).
-using WgFp8SmallCfg = WgCfg<true, 1, 32, 5, 4, 4>;
-using WgFp8SmallBaseCfg = WgCfg<true, 1, 32, 4, 3, 5>;
+// the 4 x 5 small ring -2-3% on 32 tokens over 6 experts (hence only as the base). Both small
+// rings as 128 rows (two warpgroups) since session 25, H100: +4.5-5.5% at 32 tokens on 6
+// experts, +5-7% at 512 tokens uniform (half the L2 re-reads of each expert's tokens; unlike
+// bf16's mma.sync tier, the wgmma tile keeps its rate at half the CTAs).
+using WgFp8SmallCfg = WgCfg<true, 2, 32, 5, 4, 2>;
+using WgFp8SmallBaseCfg = WgCfg<true, 2, 32, 4, 3, 3>;
 using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 3, 7>;
 // The float8 wide tile (tile 2, experts of >= 129 rows): warp-specialised, the tokens as wgmma's
 // M dimension (mxfp4_moe_fp8_ws_kernel). 256 tokens x 128 weight rows an item, one CTA an SM:
@@ -358,12 +364,22 @@ __device__ __forceinline__ void decode_e4m3_lut(uint32_t q, uint2 lg, uint2 l8, 
 // rounded to nearest even (exact for d <= 14, all zero from d = 20). 2 KB of shared memory, built
 // once per CTA; indexing by the raw byte difference saves a clamp per group.
 constexpr int kE4m3Luts = 256;
+// (On every CTA's critical path before the schedule: four entries a thread and store, the float
+// built by its bits - the magnitudes' exponents 126..129 plus 6 - d stay normal for d < 20 -
+// rather than ldexpf, which was ~50 instructions an entry.)
 __device__ __forceinline__ void e4m3_lut_init(uint8_t* luts) {
-  for (int i = threadIdx.x; i < kE4m3Luts * 8; i += blockDim.x) {
-    const int code = i & 7, e = code >> 1, m = code & 1;  // e2m1 magnitude code
-    const float mag = e == 0 ? 0.5f * m : ldexpf(1.f + 0.5f * m, e - 1);
-    luts[i] = static_cast<uint8_t>(
-        __nv_cvt_float_to_fp8(ldexpf(mag, 6 - (i >> 3)), __NV_SATFINITE, __NV_E4M3));
+  for (int i = threadIdx.x; i < kE4m3Luts * 2; i += blockDim.x) {  // entries 4i .. 4i + 3
+    const int d = i >> 1;
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t code = (i & 1) * 4 + j, e = code >> 1, m = code & 1;  // e2m1 magnitude code
+      // {0, .5, 1, 1.5, 2, 3, 4, 6} as float32 bits: 2^(e-1) x (1 + m / 2), 0.5 for code 1
+      const uint32_t mag = code == 0 ? 0u : code == 1 ? 126u << 23 : (126u + e) << 23 | m << 22;
+      const float v = code == 0 || d >= 20 ? 0.f : __uint_as_float(mag + ((6 - d) << 23));
+      word |= uint32_t{__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)} << (8 * j);
+    }
+    reinterpret_cast<uint32_t*>(luts)[i] = word;
   }
 }
 
