@@ -3,6 +3,7 @@
   python bench/bench_moe_gemm.py                         # CPU: the C++ twin vs torch (CPU)
   python bench/bench_moe_gemm.py --device cuda           # sm_90a kernel vs torch, roofline (H200)
   python bench/bench_moe_gemm.py --device cuda --quick   # a short self-check subset
+  python bench/bench_moe_gemm.py --device cuda --tokens 128,512  # these token counts only
 
 CUDA run (cuda_main below): V4-Flash shapes with all 256 experts, W4A16 (bf16 activations) and
 W4A8 (e4m3 activations, per-token per-128 scales), 1..8192 tokens, uniform and skewed routing.
@@ -88,10 +89,20 @@ def main() -> None:
     quick = "--quick" in sys.argv
     if quick:
         sys.argv.remove("--quick")
+    only = None  # --tokens a,b: only these token counts (CUDA run; a full run's inputs)
+    if "--tokens" in sys.argv:
+        i = sys.argv.index("--tokens")
+        try:
+            only = [int(t) for t in sys.argv[i + 1].split(",")]
+        except (IndexError, ValueError):
+            raise SystemExit("--tokens expects comma-separated token counts, e.g. 128,512")
+        del sys.argv[i:i + 2]
     args = bench.parse_args(__doc__)
     if args.device == "cuda":
-        cuda_main(args, quick)
+        cuda_main(args, quick, only)
         return
+    if only is not None:
+        raise SystemExit("--tokens applies to the CUDA run (--device cuda)")
     dev = args.device
     cuda = dev == "cuda"
     num_experts = EXPERTS if cuda else CPU_EXPERTS
@@ -246,11 +257,13 @@ def _fp8_ceiling():
         return None
 
 
-def cuda_main(args, quick: bool) -> None:
+def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
     import time
 
     torch.manual_seed(0)
     tokens_list = [1, 32, 512] if quick else [1, 8, 32, 128, 512, 2048, 8192]
+    if only is not None and not set(only) <= set(tokens_list):
+        raise SystemExit(f"--tokens: each must be one of {tokens_list}, got {only}")
     routings = (False,) if quick else (False, True)
     reps = 10 if quick else 30
     ceilings = bench.measure_cuda_ceilings()
@@ -275,6 +288,12 @@ def cuda_main(args, quick: bool) -> None:
     for tokens in tokens_list:
         for skew in routings:
             offsets = routing_offsets(tokens, EXPERTS, skew, gen)
+            if only is not None and tokens not in only:
+                # drawn all the same (routing and activations): the counts timed see exactly
+                # a full run's inputs
+                for _n, k, _fuse in gemms.values():
+                    torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda")
+                continue
             off_host = offsets.tolist()
             m = off_host[-1]
             active = sum(1 for e in range(EXPERTS) if off_host[e + 1] > off_host[e])
@@ -355,6 +374,7 @@ def cuda_main(args, quick: bool) -> None:
     extra = {
         "ceilings": ceilings,
         "quick": quick,
+        "tokens_subset": only,
         "prepack_seconds": prepack_s,
         "torch_baseline": f"{torch_path.kind}: dequantize the active experts' MXFP4 weights to "
                           "bf16 (exact) and, for fp8 activations, the activations to bf16, then "

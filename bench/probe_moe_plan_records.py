@@ -1,0 +1,81 @@
+"""Per-launch device durations of one MoE GEMM plan, measured alone in a process (the benchmark's
+own routing and weights for gate_up at `tokens` tokens uniform; default 128, the four-launch
+plan), two rounds each of CUPTI records and a CUDA-graph replay - to tell a kernel's time from
+what the full benchmark's process adds around it.
+
+  python3 bench/probe_moe_plan_records.py [tokens] [--full]
+--full also allocates what bench_moe_gemm.py holds (both GEMMs' raw weights and all four packs,
+~10 GB) before timing, to test whether the process's footprint moves the times."""
+
+import statistics
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, "bench")
+from bench_moe_gemm import (EXPERTS, HIDDEN, INTER, LIMIT, _quant_fp8, make_weights,  # noqa: E402
+                            routing_offsets)
+
+from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
+from zeroinfer.testing import bench  # noqa: E402
+
+TOKENS_ORDER = [1, 8, 32, 128, 512, 2048, 8192]  # bench_moe_gemm.cuda_main's draw order
+ACTS = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def main() -> None:
+    full = "--full" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--full"]
+    tokens = int(args[0]) if args else 128
+    gen = torch.Generator().manual_seed(0)
+    dgen = torch.Generator(device="cuda").manual_seed(1)
+    w, s = make_weights(EXPERTS, 2 * INTER, HIDDEN, dgen)
+    keep = []
+    if full:
+        keep = [mxfp4_prepack(w, s, fuse_swiglu=True, act_dtype=a) for a in ACTS]
+        wd, sd = make_weights(EXPERTS, HIDDEN, INTER, dgen)
+        keep += [wd, sd] + [mxfp4_prepack(wd, sd, act_dtype=a) for a in ACTS]
+    print("allocated GB", round(torch.cuda.memory_allocated() / 1e9, 2))
+    for t in TOKENS_ORDER:  # the same routing draws as the benchmark (skewed draws nothing)
+        off = routing_offsets(t, EXPERTS, False, gen)
+        if t == tokens:
+            break
+    print("experts by row count:", torch.bincount(off[1:] - off[:-1]).tolist())
+    off = off.cuda()
+    x = torch.randn(int(off[-1]), HIDDEN, generator=dgen, device="cuda") * 0.5
+    flush = bench.l2_flush()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush()
+        torch.cuda.synchronize()
+    n_flush = len(bench.device_records(prof))
+    for i, act in enumerate(ACTS):
+        pw = keep[i] if full else mxfp4_prepack(w, s, fuse_swiglu=True, act_dtype=act)
+        a, sc = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
+
+        def run():
+            return mxfp4_grouped_gemm(a, pw, None, a_scale=sc, expert_offsets=off,
+                                      fuse_swiglu=True, swiglu_limit=LIMIT)
+
+        for _ in range(3):
+            run()
+        for rnd in range(2):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(30):
+                    flush()
+                    run()
+                torch.cuda.synchronize()
+            rec = bench.device_records(prof)
+            per = len(rec) // 30
+            calls = [rec[c * per + n_flush:(c + 1) * per] for c in range(30)]
+            med = [statistics.median(c[j][2] for c in calls) for j in range(len(calls[0]))]
+            span = statistics.median(c[-1][1] + c[-1][2] - c[0][1] for c in calls)
+            graph = bench.time_cuda_graph(run, warmup=3, reps=30) * 1e6
+            launches = " | ".join(f"{name.split('<')[0].split('::')[-1]} {d:.1f}"
+                                  for (name, _, _), d in zip(calls[0], med))
+            print(f"{str(act).split('.')[-1]} round {rnd}: sum {sum(med):.1f} span {span:.1f} "
+                  f"graph {graph:.1f} us :: {launches}")
+
+
+if __name__ == "__main__":
+    main()
