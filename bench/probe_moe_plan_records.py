@@ -3,19 +3,23 @@ own routing and weights for gate_up at `tokens` tokens uniform; default 128, the
 plan), two rounds each of CUPTI records and a CUDA-graph replay - to tell a kernel's time from
 what the full benchmark's process adds around it.
 
-  python3 bench/probe_moe_plan_records.py [tokens] [--full]
+  python3 bench/probe_moe_plan_records.py [tokens] [--full] [--heavy] [--pause S]
 --full also allocates what bench_moe_gemm.py holds (both GEMMs' raw weights and all four packs,
-~10 GB) before timing, to test whether the process's footprint moves the times."""
+~10 GB) before timing, to test whether the process's footprint moves the times. --heavy runs the
+benchmark's float32 reference check on the same inputs right before each timed pass (as the
+benchmark does before its first), --pause S sleeps S seconds after it: the benchmark's rows at
+128 tokens read 10-15% slower than this probe in some runs (moe_gemm_NOTES.md, session 25)."""
 
 import statistics
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, "bench")
-from bench_moe_gemm import (EXPERTS, HIDDEN, INTER, LIMIT, _quant_fp8, make_weights,  # noqa: E402
-                            routing_offsets)
+from bench_moe_gemm import (EXPERTS, HIDDEN, INTER, LIMIT, TorchPath, _quant_fp8,  # noqa: E402
+                            make_weights, routing_offsets)
 
 from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
 from zeroinfer.testing import bench  # noqa: E402
@@ -25,9 +29,13 @@ ACTS = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 def main() -> None:
-    full = "--full" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--full"]
+    argv = sys.argv[1:]
+    full, heavy = "--full" in argv, "--heavy" in argv
+    pause = float(argv[argv.index("--pause") + 1]) if "--pause" in argv else 0.0
+    args = [a for i, a in enumerate(argv)
+            if not a.startswith("--") and not (i and argv[i - 1] == "--pause")]
     tokens = int(args[0]) if args else 128
+    print(f"tokens {tokens} full {full} heavy {heavy} pause {pause}")
     gen = torch.Generator().manual_seed(0)
     dgen = torch.Generator(device="cuda").manual_seed(1)
     w, s = make_weights(EXPERTS, 2 * INTER, HIDDEN, dgen)
@@ -42,7 +50,9 @@ def main() -> None:
         if t == tokens:
             break
     print("experts by row count:", torch.bincount(off[1:] - off[:-1]).tolist())
+    off_host = off.tolist()
     off = off.cuda()
+    check = TorchPath("float32_loop")
     x = torch.randn(int(off[-1]), HIDDEN, generator=dgen, device="cuda") * 0.5
     flush = bench.l2_flush()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -57,9 +67,17 @@ def main() -> None:
             return mxfp4_grouped_gemm(a, pw, None, a_scale=sc, expert_offsets=off,
                                       fuse_swiglu=True, swiglu_limit=LIMIT)
 
+        def before_pass():
+            if heavy:
+                check(a, sc, w, s, off_host, True, LIMIT, INTER)
+                torch.cuda.synchronize()
+            if pause:
+                time.sleep(pause)
+
         for _ in range(3):
             run()
         for rnd in range(2):
+            before_pass()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(30):
                     flush()
@@ -70,6 +88,7 @@ def main() -> None:
             calls = [rec[c * per + n_flush:(c + 1) * per] for c in range(30)]
             med = [statistics.median(c[j][2] for c in calls) for j in range(len(calls[0]))]
             span = statistics.median(c[-1][1] + c[-1][2] - c[0][1] for c in calls)
+            before_pass()
             graph = bench.time_cuda_graph(run, warmup=3, reps=30) * 1e6
             launches = " | ".join(f"{name.split('<')[0].split('::')[-1]} {d:.1f}"
                                   for (name, _, _), d in zip(calls[0], med))
