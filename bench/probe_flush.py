@@ -64,21 +64,18 @@ def first_second(calls, flush, reps=20):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         flush()
         torch.cuda.synchronize()
-    n_flush = len(bench.device_records(prof))
+    flush_names = [name for name, _, _ in bench.device_records(prof)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             flush()
             calls[0]()
             calls[1]()
         torch.cuda.synchronize()
-    ev = bench.device_records(prof)
-    per = len(ev) // reps
-    half = (per - n_flush) // 2  # records of one call
-    if per * reps != len(ev) or n_flush + 2 * half != per:
-        raise RuntimeError(f"{len(ev)} device records for {reps} x (flush + 2 calls)")
     first, second = [], []
-    for i in range(reps):
-        chunk = ev[i * per + n_flush:(i + 1) * per]
+    for chunk in bench.call_records(bench.device_records(prof), reps, flush_names):
+        half = len(chunk) // 2  # records of one call
+        if 2 * half != len(chunk):
+            raise RuntimeError(f"{len(chunk)} device records for the two calls after a flush")
         first.append(sum(dur for _, _, dur in chunk[:half]))
         second.append(sum(dur for _, _, dur in chunk[half:]))
     return statistics.median(first), statistics.median(second)

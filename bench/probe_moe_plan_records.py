@@ -58,7 +58,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         flush()
         torch.cuda.synchronize()
-    n_flush = len(bench.device_records(prof))
+    flush_names = [name for name, _, _ in bench.device_records(prof)]
     for i, act in enumerate(ACTS):
         pw = keep[i] if full else mxfp4_prepack(w, s, fuse_swiglu=True, act_dtype=act)
         a, sc = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
@@ -83,9 +83,7 @@ def main() -> None:
                     flush()
                     run()
                 torch.cuda.synchronize()
-            rec = bench.device_records(prof)
-            per = len(rec) // 30
-            calls = [rec[c * per + n_flush:(c + 1) * per] for c in range(30)]
+            calls = bench.call_records(bench.device_records(prof), 30, flush_names)
             med = [statistics.median(c[j][2] for c in calls) for j in range(len(calls[0]))]
             span = statistics.median(c[-1][1] + c[-1][2] - c[0][1] for c in calls)
             before_pass()

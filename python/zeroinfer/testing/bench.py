@@ -176,22 +176,28 @@ def device_records(prof) -> list[tuple[str, float, float]]:
                   key=lambda r: r[1])
 
 
-def call_durations_us(records: Sequence[tuple[str, float, float]], calls: int,
-                      flush_names: Sequence[str]) -> list[float]:
-    """Per call, the summed duration (us) of its device records (name, start, duration), given in
-    start order: every call launches the same records, so the calls are consecutive chunks of
-    equal length, each opened by the flush's records (flush_names, in order; not counted)."""
+def call_records(records: Sequence[tuple[str, float, float]], calls: int,
+                 flush_names: Sequence[str]) -> list[list[tuple[str, float, float]]]:
+    """Per call, its own device records (name, start, duration), from records given in start
+    order: every call launches the same records, so the calls are consecutive chunks of equal
+    length, each opened by the flush's records (flush_names, in order; left out)."""
     per = len(records) // calls if calls > 0 else 0
     if per == 0 or per * calls != len(records):
         raise RuntimeError(f"time_kernels: {len(records)} device records for {calls} calls")
     skip = len(flush_names)
     out = []
     for i in range(calls):
-        chunk = records[i * per:(i + 1) * per]
+        chunk = list(records[i * per:(i + 1) * per])
         if [name for name, _, _ in chunk[:skip]] != list(flush_names):
             raise RuntimeError("time_kernels: a call's records do not start with the L2 flush")
-        out.append(sum(dur for _, _, dur in chunk[skip:]))
+        out.append(chunk[skip:])
     return out
+
+
+def call_durations_us(records: Sequence[tuple[str, float, float]], calls: int,
+                      flush_names: Sequence[str]) -> list[float]:
+    """Per call, the summed duration (us) of its device records (call_records)."""
+    return [sum(dur for _, _, dur in call) for call in call_records(records, calls, flush_names)]
 
 
 def measure_cuda_ceilings() -> dict[str, float]:
