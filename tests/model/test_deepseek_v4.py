@@ -134,23 +134,32 @@ def test_mixed_batch_equals_single_runs(pair, gen):
 
 
 def test_bf16_deviation_like_hf(pair, gen):
-    """bf16 against fp32: our graph deviates no more than HF's own bf16 model does. (bf16 flips
-    some router / indexer top-k choices, so a minority of tokens differ in both.)"""
+    """bf16 against fp32: our graph deviates no more than HF's own bf16 model does. bf16 flips
+    some router / indexer top-k choices (index_topk is 3 here, so one flip moves a CSA layer's
+    output a lot) and which ones flip is chance: on one 96-token draw the fraction of close
+    tokens differs between the two bf16 graphs by ~0.04 (std, ours ~0.02 better on average);
+    six draws bring that to ~0.017, so the bound below sits > 5 sigma from the mean while a
+    graph that is systematically 0.1 worse than HF's still fails."""
     name, ours, hf32 = pair
     cfg = DUMMY_CONFIGS[name]
     hf16 = hf_model(cfg, random_state_dict(cfg, seed=7), dtype=torch.bfloat16)
     ours16 = load(f"dummy:{name}", seed=7, dtype=torch.bfloat16)
-    ids = random_tokens(gen, 96, cfg.vocab_size)
-    with torch.no_grad():
-        ref = hf32(torch.tensor([ids])).logits[0].float()
-        theirs = hf16(torch.tensor([ids])).logits[0].float()
-    mine = ours16.logits(ids)
+    cos = {"mine": [], "theirs": []}
+    for _ in range(6):
+        ids = random_tokens(gen, 96, cfg.vocab_size)
+        with torch.no_grad():
+            ref = hf32(torch.tensor([ids])).logits[0].float()
+            theirs = hf16(torch.tensor([ids])).logits[0].float()
+        mine = ours16.logits(ids)
+        cos["mine"].append(torch.nn.functional.cosine_similarity(mine, ref, dim=-1))
+        cos["theirs"].append(torch.nn.functional.cosine_similarity(theirs, ref, dim=-1))
+    mine, theirs = torch.cat(cos["mine"]), torch.cat(cos["theirs"])
 
-    def close_fraction(x):
-        return (torch.nn.functional.cosine_similarity(x, ref, dim=-1) > 0.99).float().mean().item()
+    def close_fraction(c):
+        return (c > 0.99).float().mean().item()
 
-    assert torch.nn.functional.cosine_similarity(mine, ref, dim=-1).median() > 0.999
-    assert close_fraction(mine) >= close_fraction(theirs) - 0.1, (close_fraction(mine), close_fraction(theirs))
+    assert mine.median() > 0.999
+    assert close_fraction(mine) >= close_fraction(theirs) - 0.07, (close_fraction(mine), close_fraction(theirs))
 
 
 def test_rejects_bad_token_ids():
