@@ -33,7 +33,7 @@ import torch
 from zeroinfer import _C
 from zeroinfer.ops.moe_gemm import mxfp4_act_scale_mn_major, mxfp4_grouped_gemm, mxfp4_prepack
 from zeroinfer.quant.mxfp4 import dequantize_mxfp4
-from zeroinfer.testing import bench
+from zeroinfer.testing import bench, stream_read
 
 HIDDEN, INTER, EXPERTS, TOPK, LIMIT = 4096, 2048, 256, 6, 10.0
 CPU_EXPERTS = 16
@@ -296,11 +296,18 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
                 continue
             off_host = offsets.tolist()
             m = off_host[-1]
-            active = sum(1 for e in range(EXPERTS) if off_host[e + 1] > off_host[e])
             off_dev = offsets.cuda()
+            active_ids = torch.tensor([e for e in range(EXPERTS) if off_host[e + 1] > off_host[e]],
+                                      dtype=torch.int32, device="cuda")
+            active = active_ids.numel()
             for name, (n, k, fuse) in gemms.items():
                 w, s = weights[name]
                 n_out = n // 2 if fuse else n
+                # A plain one-launch read of the same weight bytes, timed like kernel_us (both
+                # activation types pack to the same bytes per expert).
+                t_read = stream_read.best_read_seconds(
+                    packed[name]["bf16"].data, active_ids,
+                    lambda f: bench.time_kernels(f, reps=reps))
                 x = torch.randn(m, k, generator=dgen, device="cuda") * 0.5
                 for act in ("bf16", "fp8"):
                     if act == "bf16":
@@ -352,6 +359,10 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
                         "weight_bw_fraction": weight_bytes / t / ceilings["hbm_bytes_per_s"],
                         "kernel_weight_bw_fraction":
                             weight_bytes / t_kern / ceilings["hbm_bytes_per_s"],
+                        "read_us": None if t_read is None else t_read * 1e6,
+                        "read_weight_bw_fraction": None if t_read is None
+                        else weight_bytes / t_read / ceilings["hbm_bytes_per_s"],
+                        "kernel_vs_read": None if t_read is None else t_read / t_kern,
                         "rel_err_vs_float32_torch": err,
                         "eager_call_us": t_eager * 1e6,
                         "torch_us": t_torch * 1e6,
@@ -363,13 +374,17 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
                           f"{row['tflops']:.1f} TFLOP/s, floor {row['fraction_of_floor']:.0%} "
                           f"(kernels {t_kern * 1e6:.1f} us: "
                           f"{row['kernel_fraction_of_floor']:.0%}), "
-                          f"torch {t_torch * 1e6:.0f} us", flush=True)
+                          + ("" if t_read is None else
+                             f"a plain read of the weights {t_read * 1e6:.1f} us "
+                             f"({row['read_weight_bw_fraction']:.0%} of HBM), ")
+                          + f"torch {t_torch * 1e6:.0f} us", flush=True)
                     del got, want
             torch.cuda.empty_cache()
     cols = ["gemm", "act", "tokens", "routing", "active", "rows", "tile", "time_us",
             "weight_gbps", "weight_bw_fraction", "gbps", "tflops", "floor_us",
             "fraction_of_floor", "kernel_us", "kernel_weight_bw_fraction",
-            "kernel_fraction_of_floor", "eager_call_us", "torch_us", "speedup_vs_torch"]
+            "kernel_fraction_of_floor", "read_us", "read_weight_bw_fraction", "kernel_vs_read",
+            "eager_call_us", "torch_us", "speedup_vs_torch"]
     bench.print_table(rows, cols)
     extra = {
         "ceilings": ceilings,
@@ -392,7 +407,12 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
                   "device work (CUPTI kernel durations, bench.time_kernels), with "
                   "kernel_fraction_of_floor / kernel_weight_bw_fraction on it; eager_call_us: the "
                   "same op called from Python (validation and launch overhead included); "
-                  "torch_us: the torch path called eagerly",
+                  "torch_us: the torch path called eagerly; read_us: the fastest of a few grid "
+                  "shapes of a plain streaming read (Triton, zeroinfer.testing.stream_read) of "
+                  "exactly the active experts' packed weights in one launch, timed like kernel_us "
+                  "(read_weight_bw_fraction: weight_bytes / read_us over the copy rate: what one "
+                  "launch moving these bytes reaches at all; kernel_vs_read = read_us / "
+                  "kernel_us; null without Triton)",
         "failures": failures,
     }
     path = bench.write_results("moe_gemm", rows, device="cuda", extra=extra,

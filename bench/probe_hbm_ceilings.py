@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from zeroinfer.testing import bench
+from zeroinfer.testing import bench, stream_read
 
 N = 1 << 30  # bytes per buffer
 
@@ -21,30 +21,12 @@ def rate(fn, nbytes: int) -> float:
 
 
 def triton_read(x: torch.Tensor):
-    """A grid-stride streaming read (int32 sums kept per program), or None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def _read(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for i in range(pid, n // BLOCK, tl.num_programs(0)):
-            acc += tl.load(x_ptr + i * BLOCK + tl.arange(0, BLOCK), cache_modifier=".cg")
-        tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
-
-    xi = x.view(torch.int32)
-    best = 0.0
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for programs in (4 * sms, 8 * sms, 16 * sms):
-        for block in (1024, 2048, 4096):
-            out = torch.empty(programs * block, dtype=torch.int32, device="cuda")
-            best = max(best, rate(lambda: _read[(programs,)](xi, out, xi.numel(),  # noqa: B023
-                                                             BLOCK=block), N))
-    return best
+    """The best grid of a streaming read of all of x (zeroinfer.testing.stream_read), or None
+    without Triton."""
+    rows = torch.zeros(1, dtype=torch.int32, device=x.device)
+    t = stream_read.best_read_seconds(
+        x.view(1, -1), rows, lambda f: bench.time_cuda(f, warmup=3, reps=20, flush_l2=False))
+    return None if t is None else x.numel() / t / 1e12
 
 
 def main() -> None:

@@ -78,3 +78,39 @@ def test_time_kernels_counts_the_ops_kernels_not_the_flush():
     assert 0 < t_kern <= t_events
     # At least the bytes at the copy ceiling the device can reach (a loose physical bound).
     assert t_kern > 4 * x.numel() * 4 / 10e12
+
+
+@pytest.mark.gpu
+def test_stream_read_reads_every_byte_of_the_chosen_rows(gen):
+    # The read ceiling beside the MoE rows must move exactly the rows' bytes: its int32 sums
+    # (wrapping) must total the rows' sum mod 2**32, for rows that are no whole number of
+    # chunks, repeated and out of order, in every grid shape best_read_seconds tries.
+    pytest.importorskip("triton")
+    from zeroinfer.testing import stream_read
+
+    x = torch.randint(0, 256, (9, 5, 2052), dtype=torch.uint8, generator=gen).cuda()
+    rows = torch.randperm(9, generator=gen)[:5].to(torch.int32)
+    rows = torch.cat([rows, rows[:1]]).cuda()
+    want = int(x.view(9, -1).view(torch.int32)[rows.long()].sum()) % 2**32
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for per_sm in (4, 8, 16):
+        for block in (1024, 4096):
+            fn, out = stream_read.reader(x, rows, programs=per_sm * sms, block=block)
+            out.fill_(-7)  # poison: a program that stored nothing would change the total
+            fn()
+            assert int(out.long().sum()) % 2**32 == want, (per_sm, block)
+    t = stream_read.best_read_seconds(x, rows, lambda f: bench.time_kernels(f, reps=5))
+    assert t is not None and t > 0
+
+
+def test_stream_read_names_bad_arguments():
+    from zeroinfer.testing import stream_read
+
+    if not stream_read.available():
+        pytest.skip("needs Triton")
+    x = torch.empty(4, 6, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="whole number of int32 words"):
+        stream_read.reader(x, torch.zeros(1, dtype=torch.int32), programs=1, block=16)
+    with pytest.raises(ValueError, match="1-D int32"):
+        stream_read.reader(torch.empty(4, 8, dtype=torch.uint8), torch.zeros(1), programs=1,
+                           block=16)
