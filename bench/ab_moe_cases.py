@@ -4,7 +4,8 @@ one JSON line {case: [kernel_us, output checksum]}: the checksum (the bf16 outpu
 tells whether a variant changed any result.
 
   python3 bench/ab_moe_cases.py gate_up:512:skewed,down:2048:uniform[,...] [bf16]
-a case is gemm (gate_up / gate_up_plain / down) : tokens : routing (uniform / skewed, as
+a case is gemm (gate_up / gate_up_plain / down, or layer: gate_up then down back to back, as
+bench_moe_gemm.py's gate_up+down rows) : tokens : routing (uniform / skewed, as
 bench_moe_gemm.py) [: fp8 / bf16]; activations are float8 (W4A8) unless the case or the `bf16`
 argument says bf16.
 """
@@ -44,11 +45,22 @@ def make_case(case, act, gen, dgen, packed=None, offsets=None):
     x = torch.randn(int(offsets[-1]), k, generator=dgen, device="cuda") * 0.5
     a, a_scale = _quant_fp8(x) if act == torch.float8_e4m3fn else (x.bfloat16(), None)
 
-    def run():
-        return mxfp4_grouped_gemm(a, pw, None, a_scale=a_scale, expert_offsets=offsets,
-                                  fuse_swiglu=fuse, swiglu_limit=LIMIT if fuse else None)
+    def run(inp=None):
+        return mxfp4_grouped_gemm(a if inp is None else inp, pw, None, a_scale=a_scale,
+                                  expert_offsets=offsets, fuse_swiglu=fuse,
+                                  swiglu_limit=LIMIT if fuse else None)
 
     return run, offsets
+
+
+def make_layer(tokens, routing, act, gen, dgen, packed):
+    """gate_up then down on the same routing: W4A16 feeds down gate_up's output (the model's
+    chain), W4A8 down's own float8 input (the quantisation between them is the caller's)."""
+    gate_up, offsets = make_case(f"gate_up:{tokens}:{routing}", act, gen, dgen, packed)
+    down, _ = make_case(f"down:{tokens}:{routing}", act, gen, dgen, packed, offsets)
+    if act == torch.bfloat16:
+        return lambda: down(gate_up())
+    return lambda: (gate_up(), down())[1]
 
 
 def main() -> None:
@@ -61,7 +73,10 @@ def main() -> None:
         parts = case.split(":")
         case_act = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[parts[3]] if len(
             parts) > 3 else act
-        run, _ = make_case(":".join(parts[:3]), case_act, gen, dgen, packed[case_act])
+        if parts[0] == "layer":
+            run = make_layer(parts[1], parts[2], case_act, gen, dgen, packed[case_act])
+        else:
+            run, _ = make_case(":".join(parts[:3]), case_act, gen, dgen, packed[case_act])
         out = run()
         chk = int(out.view(torch.int16).to(torch.int64).sum())
         res[case] = [bench.time_kernels(run) * 1e6, chk]

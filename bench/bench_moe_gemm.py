@@ -268,6 +268,52 @@ def _read_seconds(data, active_ids, reps):
         return None
 
 
+def _layer_rows(parts, off_dev, reps, ceilings) -> list[dict]:
+    """A MoE layer's two GEMMs back to back, as the model launches them: gate_up, then down on
+    its output (W4A16; for W4A8 the caller quantises h in between, untimed here, so down reads
+    its own float8 input). The second GEMM's launch is programmatic: it may start under the
+    first's tail, which the per-GEMM rows (each after its own L2 flush) cannot show. One row per
+    activation type whose two GEMMs passed their checks; bytes and FLOPs are the two rows' sums."""
+    out = []
+    for act in ("bf16", "fp8"):
+        if ("gate_up", act) not in parts or ("down", act) not in parts:
+            continue
+        (ga, gs, gw, grow), (da, ds, dw, drow) = parts["gate_up", act], parts["down", act]
+
+        def gate_up(ga=ga, gs=gs, gw=gw):
+            return mxfp4_grouped_gemm(ga, gw, None, a_scale=gs, expert_offsets=off_dev,
+                                      fuse_swiglu=True, swiglu_limit=LIMIT)
+
+        def run(act=act, gate_up=gate_up, da=da, ds=ds, dw=dw):
+            h = gate_up()
+            return mxfp4_grouped_gemm(h if act == "bf16" else da, dw, None, a_scale=ds,
+                                      expert_offsets=off_dev)
+
+        t = bench.time_cuda_graph(run, warmup=3, reps=reps)
+        t_kern = bench.time_kernels(run, reps=reps)
+        summed = {key: grow[key] + drow[key] for key in ("weight_bytes", "act_bytes", "out_bytes")}
+        peak = ceilings["fp8_flops_per_s"] if grow["peak_used"] == "fp8" else \
+            ceilings["bf16_flops_per_s"]
+        ceil = {"hbm_bytes_per_s": ceilings["hbm_bytes_per_s"], "bf16_flops_per_s": peak}
+        row = {key: grow[key] for key in ("act", "tokens", "routing", "experts", "active", "rows",
+                                          "tile", "peak_used")}
+        row.update(gemm="gate_up+down", N=None, K=None, **summed,
+                   **bench.roofline_row(seconds=t, bytes_moved=grow["bytes"] + drow["bytes"],
+                                        flops=grow["flops"] + drow["flops"], ceilings=ceil,
+                                        kernel_seconds=t_kern),
+                   weight_gbps=summed["weight_bytes"] / t / 1e9,
+                   weight_bw_fraction=summed["weight_bytes"] / t / ceilings["hbm_bytes_per_s"],
+                   kernel_weight_bw_fraction=summed["weight_bytes"] / t_kern
+                   / ceilings["hbm_bytes_per_s"],
+                   separate_kernel_us=grow["kernel_us"] + drow["kernel_us"])
+        out.append(row)
+        print(f"  gate_up+down {act} tokens={row['tokens']} {row['routing']}: {t * 1e6:.1f} us "
+              f"(floor {row['fraction_of_floor']:.0%}), kernels {t_kern * 1e6:.1f} us "
+              f"({row['kernel_fraction_of_floor']:.0%}; the two timed apart "
+              f"{row['separate_kernel_us']:.1f} us)", flush=True)
+    return out
+
+
 def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
     import time
 
@@ -311,6 +357,7 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
             active_ids = torch.tensor([e for e in range(EXPERTS) if off_host[e + 1] > off_host[e]],
                                       dtype=torch.int32, device="cuda")
             active = active_ids.numel()
+            layer_parts = {}  # (gemm, act) -> (a, a_scale, packed weights, row), for _layer_rows
             for name, (n, k, fuse) in gemms.items():
                 w, s = weights[name]
                 n_out = n // 2 if fuse else n
@@ -376,6 +423,7 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
                         "speedup_vs_torch": t_torch / t,
                     }
                     rows.append(row)
+                    layer_parts[name, act] = (a, a_scale, pw, row)
                     print(f"  {tag}: {t * 1e6:.1f} us, weights {row['weight_gbps']:.0f} GB/s "
                           f"({row['weight_bw_fraction']:.0%} of HBM), "
                           f"{row['tflops']:.1f} TFLOP/s, floor {row['fraction_of_floor']:.0%} "
@@ -386,6 +434,7 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
                              f"({row['read_weight_bw_fraction']:.0%} of HBM), ")
                           + f"torch {t_torch * 1e6:.0f} us", flush=True)
                     del got, want
+            rows += _layer_rows(layer_parts, off_dev, reps, ceilings)
             torch.cuda.empty_cache()
     cols = ["gemm", "act", "tokens", "routing", "active", "rows", "tile", "time_us",
             "weight_gbps", "weight_bw_fraction", "gbps", "tflops", "floor_us",
@@ -419,7 +468,10 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
                   "exactly the active experts' packed weights in one launch, timed like kernel_us "
                   "(read_weight_bw_fraction: weight_bytes / read_us over the copy rate: what one "
                   "launch moving these bytes reaches at all; kernel_vs_read = read_us / "
-                  "kernel_us; null without Triton)",
+                  "kernel_us; null without Triton); gate_up+down rows: the layer's two GEMMs "
+                  "back to back after one flush (W4A16: down on gate_up's output; W4A8: on its "
+                  "own float8 input, the quantisation between them untimed), bytes and FLOPs "
+                  "summed, separate_kernel_us = the two per-GEMM kernel_us",
         "failures": failures,
     }
     path = bench.write_results("moe_gemm", rows, device="cuda", extra=extra,

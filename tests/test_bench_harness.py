@@ -29,32 +29,58 @@ def _records(calls, kernels, flush=("reduce_kernel",), seed=0):
 
 
 @pytest.mark.parametrize("kernels", [1, 3])
-def test_call_durations_sum_each_calls_records(kernels):
+def test_call_busy_sums_each_calls_records_when_none_overlap(kernels):
     recs, want = _records(calls=7, kernels=kernels, seed=kernels)
-    got = bench.call_durations_us(recs, 7, ["reduce_kernel"])
+    got = bench.call_busy_us(recs, 7, ["reduce_kernel"])
     assert got == pytest.approx(want)
 
 
-def test_call_durations_skip_a_flush_of_several_records():
+def test_call_busy_skips_a_flush_of_several_records():
     flush = ("Memset (Device)", "reduce_kernel")
     recs, want = _records(calls=5, kernels=2, flush=flush, seed=3)
-    assert bench.call_durations_us(recs, 5, list(flush)) == pytest.approx(want)
+    assert bench.call_busy_us(recs, 5, list(flush)) == pytest.approx(want)
     with pytest.raises(RuntimeError, match="start with the L2 flush"):  # the order matters
-        bench.call_durations_us(recs, 5, list(flush[::-1]))
+        bench.call_busy_us(recs, 5, list(flush[::-1]))
 
 
-def test_call_durations_without_flush():
+def test_call_busy_without_flush():
     recs, want = _records(calls=4, kernels=2, seed=5)
     recs = [r for r in recs if r[0] != "reduce_kernel"]
-    assert bench.call_durations_us(recs, 4, []) == pytest.approx(want)
+    assert bench.call_busy_us(recs, 4, []) == pytest.approx(want)
 
 
-def test_call_durations_reject_uneven_or_misaligned_records():
+def test_call_busy_rejects_uneven_or_misaligned_records():
     recs, _ = _records(calls=3, kernels=2)
     with pytest.raises(RuntimeError, match="device records for 3 calls"):
-        bench.call_durations_us(recs[:-1], 3, ["reduce_kernel"])
+        bench.call_busy_us(recs[:-1], 3, ["reduce_kernel"])
     with pytest.raises(RuntimeError, match="start with the L2 flush"):
-        bench.call_durations_us(recs[1:] + recs[:1], 3, ["reduce_kernel"])
+        bench.call_busy_us(recs[1:] + recs[:1], 3, ["reduce_kernel"])
+
+
+def test_call_busy_counts_overlapping_records_once(gen):
+    # Programmatic launches: each kernel may start before the previous one (or the flush) ends.
+    # The busy time is the union of the call's intervals after the flush, checked against a
+    # 1-ns grid that marks every busy instant.
+    calls, kernels = 6, 4
+    recs, want, t = [], [], 0.0
+    for _ in range(calls):
+        recs.append(("reduce_kernel", t, 50.0))
+        flush_end = t + 50.0
+        t = flush_end - float(torch.rand(1, generator=gen)) * 5.0  # starts under the flush
+        grid = set()
+        for j in range(kernels):
+            d = 1.0 + float(torch.rand(1, generator=gen)) * 20.0
+            recs.append((f"kernel_{j}", t, d))
+            grid |= {i for i in range(round(t * 1000), round((t + d) * 1000))
+                     if i >= round(flush_end * 1000)}
+            # the next one starts under this one, or after a gap
+            t += d * float(torch.rand(1, generator=gen)) * 1.3
+        want.append(len(grid) / 1000)
+        t = max(t, max(s + d for _, s, d in recs[-kernels:])) + 2.0
+    got = bench.call_busy_us(recs, calls, ["reduce_kernel"])
+    assert got == pytest.approx(want, abs=kernels * 2e-3)
+    sums = [sum(d for n, _, d in recs[i * 5 + 1:(i + 1) * 5]) for i in range(calls)]
+    assert all(g <= s + 1e-9 for g, s in zip(got, sums))
 
 
 def test_l2_flush_names_a_bad_mode():

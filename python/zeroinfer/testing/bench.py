@@ -140,8 +140,9 @@ def time_cuda_graph(fn: Callable[[], object], **kw) -> float:
 def time_kernels(fn: Callable[[], object], *, warmup: int = 3, reps: int = 30,
                  flush_l2: bool = True) -> float:
     """Median time in seconds of the device work fn() launches (kernels, memsets, copies), from
-    the CUPTI activity records (torch.profiler), with the L2 flushed before every call like
-    time_cuda; the flush itself is not counted.
+    the CUPTI activity records (torch.profiler): the time they keep the device busy
+    (call_busy_us), with the L2 flushed before every call like time_cuda; the flush itself is not
+    counted.
 
     time_cuda_graph's events also hold the graph launch and the event records, ~3-4 us that a
     decode step, one graph of hundreds of kernels, does not pay per kernel (measured on the H200:
@@ -166,7 +167,7 @@ def time_kernels(fn: Callable[[], object], *, warmup: int = 3, reps: int = 30,
                 flush()
             fn()
         torch.cuda.synchronize()
-    return statistics.median(call_durations_us(device_records(prof), reps, flush_names)) / 1e6
+    return statistics.median(call_busy_us(device_records(prof), reps, flush_names)) / 1e6
 
 
 def device_records(prof) -> list[tuple[str, float, float]]:
@@ -176,11 +177,11 @@ def device_records(prof) -> list[tuple[str, float, float]]:
                   key=lambda r: r[1])
 
 
-def call_records(records: Sequence[tuple[str, float, float]], calls: int,
-                 flush_names: Sequence[str]) -> list[list[tuple[str, float, float]]]:
-    """Per call, its own device records (name, start, duration), from records given in start
-    order: every call launches the same records, so the calls are consecutive chunks of equal
-    length, each opened by the flush's records (flush_names, in order; left out)."""
+def _call_chunks(records: Sequence[tuple[str, float, float]], calls: int,
+                 flush_names: Sequence[str]) -> list[tuple[list, list]]:
+    """Per call, (the flush's records, its own records), from records given in start order:
+    every call launches the same records, so the calls are consecutive chunks of equal length,
+    each opened by the flush's records (flush_names, in order)."""
     per = len(records) // calls if calls > 0 else 0
     if per == 0 or per * calls != len(records):
         raise RuntimeError(f"time_kernels: {len(records)} device records for {calls} calls")
@@ -190,14 +191,37 @@ def call_records(records: Sequence[tuple[str, float, float]], calls: int,
         chunk = list(records[i * per:(i + 1) * per])
         if [name for name, _, _ in chunk[:skip]] != list(flush_names):
             raise RuntimeError("time_kernels: a call's records do not start with the L2 flush")
-        out.append(chunk[skip:])
+        out.append((chunk[:skip], chunk[skip:]))
     return out
 
 
-def call_durations_us(records: Sequence[tuple[str, float, float]], calls: int,
-                      flush_names: Sequence[str]) -> list[float]:
-    """Per call, the summed duration (us) of its device records (call_records)."""
-    return [sum(dur for _, _, dur in call) for call in call_records(records, calls, flush_names)]
+def call_records(records: Sequence[tuple[str, float, float]], calls: int,
+                 flush_names: Sequence[str]) -> list[list[tuple[str, float, float]]]:
+    """Per call, its own device records (name, start, duration), the flush's left out
+    (_call_chunks)."""
+    return [own for _, own in _call_chunks(records, calls, flush_names)]
+
+
+def busy_us(records: Sequence[tuple[str, float, float]], since: float = float("-inf")) -> float:
+    """The time (us) device records (name, start, duration) keep the device busy from `since` on:
+    the union of their intervals. A programmatic launch (the MoE GEMM's) may start under the tail
+    of the kernel before it and wait there, so its record overlaps that kernel's: summed
+    durations would count the overlap twice. Records that do not overlap give their sum."""
+    t, busy = since, 0.0
+    for _, s, d in sorted(records, key=lambda r: r[1]):
+        lo, hi = max(s, t), s + d
+        if hi > lo:
+            busy += hi - lo
+            t = hi
+    return busy
+
+
+def call_busy_us(records: Sequence[tuple[str, float, float]], calls: int,
+                 flush_names: Sequence[str]) -> list[float]:
+    """Per call, busy_us of its own records from the end of its flush on (a kernel starting
+    under the flush's tail waits there: not the op's time)."""
+    return [busy_us(own, max((s + d for _, s, d in flush), default=float("-inf")))
+            for flush, own in _call_chunks(records, calls, flush_names)]
 
 
 def measure_cuda_ceilings() -> dict[str, float]:
