@@ -16,17 +16,21 @@ from zeroinfer.testing import bench, stream_read
 N = 1 << 30  # bytes per buffer
 
 
+def seconds(fn) -> float:
+    """Every rate below is timed this one way (no flush: the buffers are far larger than L2)."""
+    return bench.time_cuda(fn, warmup=3, reps=20, flush_l2=False)
+
+
 def rate(fn, nbytes: int) -> float:
-    return nbytes / bench.time_cuda(fn, warmup=3, reps=20, flush_l2=False) / 1e12
+    return nbytes / seconds(fn) / 1e12
 
 
 def triton_read(x: torch.Tensor):
     """The best grid of a streaming read of all of x (zeroinfer.testing.stream_read), or None
     without Triton."""
     rows = torch.zeros(1, dtype=torch.int32, device=x.device)
-    t = stream_read.best_read_seconds(
-        x.view(1, -1), rows, lambda f: bench.time_cuda(f, warmup=3, reps=20, flush_l2=False))
-    return None if t is None else x.numel() / t / 1e12
+    t = stream_read.best_read_seconds(x.view(1, -1), rows, seconds)
+    return None if t is None else x.numel() * x.element_size() / t / 1e12
 
 
 def main() -> None:
