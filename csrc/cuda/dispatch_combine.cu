@@ -500,7 +500,7 @@ __device__ __forceinline__ uint16_t from_float<uint16_t>(float v) { return float
 template <typename TIn, typename TW, typename TOut, int kVec>
 __global__ void __launch_bounds__(kCombineThreads)
 combine_kernel(const TIn* expert_out, const int32_t* token_row, const TW* weights,
-               int64_t hidden, int topk, TOut* out) {
+               int64_t hidden, int topk, bool routed, TOut* out) {
   constexpr bool kWide = kVec * sizeof(TIn) == 16;
   const int64_t t = blockIdx.x;
   const int64_t vecs = hidden / kVec;
@@ -519,6 +519,7 @@ combine_kernel(const TIn* expert_out, const int32_t* token_row, const TW* weight
     for (int jj = 0; jj < kCombineRows; ++jj) {
       const int j = j0 + jj;
       rows[jj] = j < topk ? __ldg(token_row + t * topk + j) : -1;
+      if (routed && rows[jj] >= 0) rows[jj] = static_cast<int32_t>(t * topk + j);
       w[jj] = rows[jj] >= 0 ? to_float(weights[t * topk + j]) : 0.f;
     }
     // All loads first (up to kCombineRows * kCombineUnroll in flight), then the sums in order.
@@ -587,10 +588,10 @@ void launch_combine(const MoeCombineParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(pieces));
   if (vec_ok) {
     combine_kernel<TIn, TW, TOut, kVec16><<<grid, kCombineThreads, 0, stream>>>(
-        in, p.token_row, w, p.hidden, static_cast<int>(p.topk), out);
+        in, p.token_row, w, p.hidden, static_cast<int>(p.topk), p.routed, out);
   } else {
     combine_kernel<TIn, TW, TOut, 1><<<grid, kCombineThreads, 0, stream>>>(
-        in, p.token_row, w, p.hidden, static_cast<int>(p.topk), out);
+        in, p.token_row, w, p.hidden, static_cast<int>(p.topk), p.routed, out);
   }
   ZI_CUDA_CHECK_LAUNCH("moe_combine");
 }
