@@ -9,6 +9,7 @@ Environment switches (all optional):
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,12 @@ class CMakeBuild(build_ext):
             f"-DZEROINFER_CUDA_ARCHS={os.environ.get('ZEROINFER_CUDA_ARCHS', '90a')}",
             f"-DZEROINFER_NATIVE={os.environ.get('ZEROINFER_NATIVE', 'ON')}",
         ]
+        # pip builds in a fresh isolated environment each time, with its own ninja; the build
+        # folder's CMakeCache would keep the first one's path (gone after that install), and a
+        # second `pip install` would fail to configure. So name this build's ninja every time.
+        ninja = shutil.which("ninja")
+        if ninja:
+            args.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
         subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja", *args],
                        check=True)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(max(1, os.cpu_count() or 1)))
