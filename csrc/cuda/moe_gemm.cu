@@ -541,6 +541,17 @@ __device__ __forceinline__ void for_stages(int kt_total, int kt_main, Body&& bod
   }
 }
 
+// ---- programmatic launch ------------------------------------------------------------------------
+// Every launch of these kernels is programmatic (launch_variant), so a CTA may be resident while
+// the kernel before it in the stream (the previous tier, the gate/up GEMM before the down one, the
+// dispatch) still runs: its launch and shared-memory set-up hide behind that kernel's tail. Each
+// kernel calls this before anything touches global memory (the schedule reads the routing first);
+// it then lets the next programmatic launch start in turn.
+__device__ __forceinline__ void await_earlier_kernels() {
+  griddep_wait();
+  griddep_launch_dependents();
+}
+
 // ---- device-side schedule ----------------------------------------------------------------------
 // prefix[e] = tiles of the experts before e (bm rows per tile); prefix[E] = total tiles.
 template <class C>
@@ -729,6 +740,7 @@ template <class C, bool kWide>
 __global__ void __launch_bounds__(C::threads, C::min_blocks)
     mxfp4_moe_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
+  await_earlier_kernels();
   const Schedule<C> sch(p, smem + C::pipe_bytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -967,6 +979,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   __shared__ uint2 luts[C::fp8 ? kE4m3Luts : 1];
   if constexpr (C::fp8) e4m3_lut_init(reinterpret_cast<uint8_t*>(luts));
   if (threadIdx.x == 0 && (smem_u32(smem) & 1023u) != 0) __trap();
+  await_earlier_kernels();
   // The schedule arrays sit after the pipeline.
   const Schedule<C> sch(p, smem + C::pipe_bytes);
 
@@ -1477,6 +1490,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
     for (int d = 0; d < 2; ++d) mbar_init(smem_u32(&dfree_mb[d]), C::consumers);
     mbar_init_fence();
   }
+  await_earlier_kernels();
   const Schedule<C> sch(p, smem + C::pipe_bytes);  // (its barrier publishes the above)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1860,11 +1874,22 @@ void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   }
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(items_bound,
                                                               int64_t{sms} * blocks_per_sm));
+  // Programmatic: the CTAs may start under the previous kernel's tail (await_earlier_kernels).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(C::threads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
   if constexpr (kWs) {
     const WsFp8Params prm{p, token_tensor_map(p, C::bm), weight_tensor_map(p, C::strips)};
-    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(prm);
+    ZI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, prm));
   } else {
-    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
+    ZI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
   }
   ZI_CUDA_CHECK_LAUNCH("mxfp4_moe_kernel");
 }
