@@ -271,7 +271,7 @@ def _read_seconds(data, active_ids, reps):
 def _layer_rows(parts, off_dev, reps, ceilings) -> list[dict]:
     """A MoE layer's two GEMMs back to back, as the model launches them: gate_up, then down on
     its output (W4A16; for W4A8 the caller quantises h in between, untimed here, so down reads
-    its own float8 input). The second GEMM's launch is programmatic: it may start under the
+    its own float8 input). Where the launches are programmatic the second may start under the
     first's tail, which the per-GEMM rows (each after its own L2 flush) cannot show. One row per
     activation type whose two GEMMs passed their checks; bytes and FLOPs are the two rows' sums."""
     out = []

@@ -204,9 +204,10 @@ def call_records(records: Sequence[tuple[str, float, float]], calls: int,
 
 def busy_us(records: Sequence[tuple[str, float, float]], since: float = float("-inf")) -> float:
     """The time (us) device records (name, start, duration) keep the device busy from `since` on:
-    the union of their intervals. A programmatic launch (the MoE GEMM's) may start under the tail
-    of the kernel before it and wait there, so its record overlaps that kernel's: summed
-    durations would count the overlap twice. Records that do not overlap give their sum."""
+    the union of their intervals. A programmatic launch (cudaLaunchAttributeProgrammatic-
+    StreamSerialization) may start under the tail of the kernel before it and wait there, so its
+    record overlaps that kernel's: summed durations would count the overlap twice. Records that
+    do not overlap give their sum."""
     t, busy = since, 0.0
     for _, s, d in sorted(records, key=lambda r: r[1]):
         lo, hi = max(s, t), s + d
