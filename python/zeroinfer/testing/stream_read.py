@@ -76,13 +76,13 @@ def reader(x: torch.Tensor, rows: torch.Tensor, *, programs: int,
 
 def best_read_seconds(x: torch.Tensor, rows: torch.Tensor,
                       timer: Callable[[Callable[[], None]], float]) -> float | None:
-    """The fastest of a few grid shapes (4-16 programs an SM, 1K or 4K words a step) reading rows
+    """The fastest of four grid shapes (4 or 16 programs an SM, 1K or 4K words a step) reading rows
     `rows` of x, each timed by `timer` (e.g. bench.time_kernels); None without Triton."""
     if triton is None:
         return None
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     best = None
-    for per_sm in (4, 8, 16):
+    for per_sm in (4, 16):
         for block in (1024, 4096):
             fn, _ = reader(x, rows, programs=per_sm * sms, block=block)
             t = timer(fn)
