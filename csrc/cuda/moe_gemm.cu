@@ -62,6 +62,7 @@
 
 #include "block_scan.cuh"
 #include "check.cuh"
+#include "launch.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
 #include "zeroinfer/moe_gemm.h"
@@ -542,15 +543,11 @@ __device__ __forceinline__ void for_stages(int kt_total, int kt_main, Body&& bod
 }
 
 // ---- programmatic launch ------------------------------------------------------------------------
-// Every launch of these kernels is programmatic (launch_variant), so a CTA may be resident while
-// the kernel before it in the stream (the previous tier, the gate/up GEMM before the down one, the
-// dispatch) still runs: its launch and shared-memory set-up hide behind that kernel's tail. Each
-// kernel calls this before anything touches global memory (the schedule reads the routing first);
-// it then lets the next programmatic launch start in turn.
-__device__ __forceinline__ void await_earlier_kernels() {
-  griddep_wait();
-  griddep_launch_dependents();
-}
+// Every launch of these kernels is programmatic (launch_variant, launch.cuh), so a CTA may be
+// resident while the kernel before it in the stream (the previous tier, the gate/up GEMM before
+// the down one, the dispatch) still runs: its launch and shared-memory set-up (the e4m3 tables,
+// the mbarriers) hide behind that kernel's tail. Each kernel calls await_earlier_kernels before
+// anything touches global memory: the schedule, which reads the routing, comes first.
 
 // ---- device-side schedule ----------------------------------------------------------------------
 // prefix[e] = tiles of the experts before e (bm rows per tile); prefix[E] = total tiles.
@@ -1875,21 +1872,12 @@ void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(items_bound,
                                                               int64_t{sms} * blocks_per_sm));
   // Programmatic: the CTAs may start under the previous kernel's tail (await_earlier_kernels).
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(C::threads);
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  const dim3 g(static_cast<unsigned>(grid)), b(C::threads);
   if constexpr (kWs) {
     const WsFp8Params prm{p, token_tensor_map(p, C::bm), weight_tensor_map(p, C::strips)};
-    ZI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, prm));
+    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, prm);
   } else {
-    ZI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, p);
   }
   ZI_CUDA_CHECK_LAUNCH("mxfp4_moe_kernel");
 }
