@@ -930,6 +930,76 @@ def test_cuda_no_host_sync(gen):
     assert y.shape == (a.shape[0], 128)
 
 
+def _quant_fp8_rows(h):
+    """float8 rows with float32 scales per 128 columns (what a caller feeding W4A8 down does)."""
+    m, k = h.shape
+    x = h.float().view(m, k // 128, 128)
+    scale = (x.abs().amax(-1) / 448).clamp(min=2.0**-100)
+    return (x / scale[..., None]).to(FP8).view(m, k), scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
+def test_cuda_chained_gemms_and_graph_replay(gen, dtype):
+    """The model's chain, gate/up (fused clipped SwiGLU) then down on its output, over a routing
+    that splits each call into all four tier launches: launched back to back (programmatic
+    launches may start under the one before and must wait for it themselves), and captured in a
+    CUDA graph replayed in place on new activations, the outputs are bitwise those of the same
+    calls with the device synchronised after each launch; bf16's down also against the float64
+    reference on the h it was given."""
+    E, K1, inter = 600, 256, 128
+    thr, wide = (33, 65) if dtype == torch.bfloat16 else (32, 129)
+    counts = [0] * E
+    for e, n in zip((0, 3, 50, 51, 100, 101, 200, 201, 300, 599, 7),
+                    (1, 8, 9, 20, thr - 1, thr, 100, wide - 1, wide, 700, 3)):
+        counts[e] = n
+    m = sum(counts)
+    off = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32).to(DEV)
+    assert len(_C.mxfp4_cuda_plan(dtype == FP8, False, m, E, 0, 0)) == 4
+    w1, s1 = rand_weights(gen, E, 2 * inter, K1)
+    w2, s2 = rand_weights(gen, E, K1, inter)
+    p1 = mxfp4_prepack(w1.to(DEV), s1.to(DEV), fuse_swiglu=True, act_dtype=dtype)
+    p2 = mxfp4_prepack(w2.to(DEV), s2.to(DEV), act_dtype=dtype)
+    lim = 3.0
+
+    def chain(a, a_scale, sync):
+        def done(x):
+            if sync:
+                torch.cuda.synchronize()
+            return x
+        h = done(mxfp4_grouped_gemm(a, p1, None, a_scale=a_scale, expert_offsets=off,
+                                    fuse_swiglu=True, swiglu_limit=lim))
+        hq, hs = (h, None) if dtype == torch.bfloat16 else done(_quant_fp8_rows(h))
+        return h, hq, done(mxfp4_grouped_gemm(hq, p2, None, a_scale=hs, expert_offsets=off))
+
+    def fresh():
+        a, a_scale = rand_act(gen, (m, K1), dtype)
+        return a.to(DEV), _to(a_scale)
+
+    a, a_scale = fresh()
+    _, _, want = chain(a, a_scale, sync=True)
+    _, _, got = chain(a, a_scale, sync=False)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "back to back"
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_h, g_hq, g_out = chain(a, a_scale, sync=False)
+    new_a, new_scale = fresh()
+    a.copy_(new_a)
+    if a_scale is not None:
+        a_scale.copy_(new_scale)
+    g_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    h, hq, want = chain(a, a_scale, sync=True)
+    assert torch.equal(g_h.view(torch.int16), h.view(torch.int16)), "graph replay: h"
+    assert torch.equal(g_out.view(torch.int16), want.view(torch.int16)), "graph replay: out"
+    if dtype == torch.bfloat16:
+        assert_matches_ref(g_out.cpu(), g_hq.cpu(), w2, s2, out_dtype=torch.bfloat16,
+                           expert_offsets=off.cpu())
+
+
 @pytest.mark.gpu
 def test_cuda_float32_activations_use_interim_path(gen):
     c = make_case(gen, E=3, N=64, K=128, dtype=torch.float32, masked=False, mode="swiglu")
