@@ -1,7 +1,9 @@
 """Per-launch device durations of one MoE GEMM plan, measured alone in a process (the benchmark's
 own routing and weights for gate_up at `tokens` tokens uniform; default 128, the four-launch
 plan), two rounds each of CUPTI records and a CUDA-graph replay - to tell a kernel's time from
-what the full benchmark's process adds around it.
+what the full benchmark's process adds around it. Per round: the launches' summed durations, the
+busy time (bench.call_busy_us: what kernel_us reports; below the sum where launches overlap),
+the span from the first start to the last end, and the graph replay's event time.
 
   python3 bench/probe_moe_plan_records.py [tokens] [--full] [--heavy] [--pause S]
 --full also allocates what bench_moe_gemm.py holds (both GEMMs' raw weights and all four packs,
@@ -83,15 +85,17 @@ def main() -> None:
                     flush()
                     run()
                 torch.cuda.synchronize()
-            calls = bench.call_records(bench.device_records(prof), 30, flush_names)
+            records = bench.device_records(prof)
+            calls = bench.call_records(records, 30, flush_names)
             med = [statistics.median(c[j][2] for c in calls) for j in range(len(calls[0]))]
             span = statistics.median(c[-1][1] + c[-1][2] - c[0][1] for c in calls)
+            busy = statistics.median(bench.call_busy_us(records, 30, flush_names))
             before_pass()
             graph = bench.time_cuda_graph(run, warmup=3, reps=30) * 1e6
             launches = " | ".join(f"{name.split('<')[0].split('::')[-1]} {d:.1f}"
                                   for (name, _, _), d in zip(calls[0], med))
-            print(f"{str(act).split('.')[-1]} round {rnd}: sum {sum(med):.1f} span {span:.1f} "
-                  f"graph {graph:.1f} us :: {launches}")
+            print(f"{str(act).split('.')[-1]} round {rnd}: sum {sum(med):.1f} busy {busy:.1f} "
+                  f"span {span:.1f} graph {graph:.1f} us :: {launches}")
 
 
 if __name__ == "__main__":
