@@ -36,6 +36,7 @@ from zeroinfer.quant.mxfp4 import dequantize_mxfp4
 from zeroinfer.testing import bench, stream_read
 
 HIDDEN, INTER, EXPERTS, TOPK, LIMIT = 4096, 2048, 256, 6, 10.0
+CUDA_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)  # the CUDA run's token counts, in draw order
 CPU_EXPERTS = 16
 # The CUDA kernel's tile shapes (_C.mxfp4_cuda_plan picks one from the shapes, or up to four
 # split between the experts by their row counts on the device).
@@ -318,7 +319,7 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
     import time
 
     torch.manual_seed(0)
-    tokens_list = [1, 32, 512] if quick else [1, 8, 32, 128, 512, 2048, 8192]
+    tokens_list = [1, 32, 512] if quick else list(CUDA_TOKENS)
     if only is not None and not set(only) <= set(tokens_list):
         raise SystemExit(f"--tokens: each must be one of {tokens_list}, got {only}")
     routings = (False,) if quick else (False, True)

@@ -20,13 +20,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, "bench")
-from bench_moe_gemm import (EXPERTS, HIDDEN, INTER, LIMIT, TorchPath, _quant_fp8,  # noqa: E402
-                            make_weights, routing_offsets)
+from bench_moe_gemm import (CUDA_TOKENS, EXPERTS, HIDDEN, INTER, LIMIT, TorchPath,  # noqa: E402
+                            _quant_fp8, make_weights, routing_offsets)
 
 from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
 from zeroinfer.testing import bench  # noqa: E402
 
-TOKENS_ORDER = [1, 8, 32, 128, 512, 2048, 8192]  # bench_moe_gemm.cuda_main's draw order
 ACTS = (torch.bfloat16, torch.float8_e4m3fn)
 
 
@@ -47,7 +46,7 @@ def main() -> None:
         wd, sd = make_weights(EXPERTS, HIDDEN, INTER, dgen)
         keep += [wd, sd] + [mxfp4_prepack(wd, sd, act_dtype=a) for a in ACTS]
     print("allocated GB", round(torch.cuda.memory_allocated() / 1e9, 2))
-    for t in TOKENS_ORDER:  # the same routing draws as the benchmark (skewed draws nothing)
+    for t in CUDA_TOKENS:  # the same routing draws as the benchmark (skewed draws nothing)
         off = routing_offsets(t, EXPERTS, False, gen)
         if t == tokens:
             break
