@@ -62,6 +62,7 @@
 
 #include "block_scan.cuh"
 #include "check.cuh"
+#include "launch.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
 #include "zeroinfer/moe_gemm.h"
@@ -541,6 +542,13 @@ __device__ __forceinline__ void for_stages(int kt_total, int kt_main, Body&& bod
   }
 }
 
+// ---- programmatic launch ------------------------------------------------------------------------
+// Every launch of these kernels is programmatic (launch_variant, launch.cuh), so a CTA may be
+// resident while the kernel before it in the stream (the previous tier, the gate/up GEMM before
+// the down one, the dispatch) still runs: its launch and shared-memory set-up (the e4m3 tables,
+// the mbarriers) hide behind that kernel's tail. Each kernel calls await_earlier_kernels before
+// anything touches global memory: the schedule, which reads the routing, comes first.
+
 // ---- device-side schedule ----------------------------------------------------------------------
 // prefix[e] = tiles of the experts before e (bm rows per tile); prefix[E] = total tiles.
 template <class C>
@@ -811,6 +819,7 @@ template <class C, bool kWide, bool kRouted>
 __global__ void __launch_bounds__(C::threads, C::min_blocks)
     mxfp4_moe_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
+  await_earlier_kernels();  // (the schedule reads offsets / counts or ids: earlier outputs)
   const Schedule<C, kRouted> sch(p, smem + C::pipe_bytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1069,6 +1078,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   __shared__ uint2 luts[C::fp8 ? kE4m3Luts : 1];
   if constexpr (C::fp8) e4m3_lut_init(reinterpret_cast<uint8_t*>(luts));
   if (threadIdx.x == 0 && (smem_u32(smem) & 1023u) != 0) __trap();
+  await_earlier_kernels();
   // The schedule arrays sit after the pipeline.
   const Schedule<C> sch(p, smem + C::pipe_bytes);
 
@@ -1579,6 +1589,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
     for (int d = 0; d < 2; ++d) mbar_init(smem_u32(&dfree_mb[d]), C::consumers);
     mbar_init_fence();
   }
+  await_earlier_kernels();
   const Schedule<C> sch(p, smem + C::pipe_bytes);  // (its barrier publishes the above)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1970,11 +1981,13 @@ void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   }
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(items_bound,
                                                               int64_t{sms} * blocks_per_sm));
+  // Programmatic: the CTAs may start under the previous kernel's tail (await_earlier_kernels).
+  const dim3 g(static_cast<unsigned>(grid)), b(C::threads);
   if constexpr (kWs) {
     const WsFp8Params prm{p, token_tensor_map(p, C::bm), weight_tensor_map(p, C::strips)};
-    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(prm);
+    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, prm);
   } else {
-    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
+    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, p);
   }
   ZI_CUDA_CHECK_LAUNCH("mxfp4_moe_kernel");
 }
