@@ -480,9 +480,8 @@ def mxfp4_grouped_gemm(
 
     Returns:
         ``[M, N_out]`` (contiguous), ``[E, cap, N_out]`` (masked) or ``[T*k, N_out]`` (routed),
-        ``N_out = N/2`` with
-        ``fuse_swiglu`` else ``N``. Rows owned by no expert are NOT written (in a fresh output they
-        are uninitialised).
+        ``N_out = N/2`` with ``fuse_swiglu`` else ``N``. Rows owned by no expert are NOT written
+        (in a fresh output they are uninitialised).
 
     CUDA: bfloat16 / float8 activations run the sm_90a kernel with no host synchronisation
     (launchable back to back); float32 activations run the interim torch path (slow). The
