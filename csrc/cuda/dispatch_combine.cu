@@ -49,6 +49,7 @@
 
 #include "block_scan.cuh"
 #include "check.cuh"
+#include "launch.cuh"
 #include "zeroinfer/dispatch_combine.h"
 #include "zeroinfer/numeric.h"
 
@@ -677,19 +678,14 @@ bool try_fused(const MoeDispatchParams& p, int64_t row_bytes, void* workspace, c
                  static_cast<int>(p.topk), num_experts, static_cast<int>(p.tile),
                  p.capacity,      p.row_token, p.token_row, p.expert_counts, p.expert_offsets,
                  static_cast<int32_t*>(workspace)};
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kFusedThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute coop = {};
+  coop.id = cudaLaunchAttributeCooperative;
+  coop.val.cooperative = 1;
   const cudaError_t err =
-      cudaLaunchKernelEx(&cfg, dispatch_fused_kernel<V>, args, static_cast<const V*>(p.x),
-                         static_cast<int>(row_vecs), static_cast<V*>(p.sorted_x));
+      launch_with(coop, dispatch_fused_kernel<V>, dim3(static_cast<unsigned>(blocks)),
+                  dim3(kFusedThreads), smem, stream, args,
+                  static_cast<const V*>(p.x), static_cast<int>(row_vecs),
+                  static_cast<V*>(p.sorted_x));
   if (err == cudaErrorCooperativeLaunchTooLarge) {  // fewer SMs than reported (e.g. MPS)
     (void)cudaGetLastError();
     return false;

@@ -22,20 +22,28 @@ __device__ __forceinline__ void await_earlier_kernels() {
   griddep_launch_dependents();
 }
 
+// cudaLaunchKernelEx with one launch attribute (programmatic, cooperative, ...); returns the
+// launch's error for the caller to handle.
 template <typename... Params, typename... Args>
-void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                         cudaStream_t stream, Args&&... args) {
+cudaError_t launch_with(cudaLaunchAttribute attr, void (*kernel)(Params...), dim3 grid,
+                        dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
+  cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  ZI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... Params, typename... Args>
+void launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                         cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  ZI_CUDA_CHECK(launch_with(attr, kernel, grid, block, smem, stream, std::forward<Args>(args)...));
 }
 
 }  // namespace zi
