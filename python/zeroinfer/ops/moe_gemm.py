@@ -501,6 +501,7 @@ def mxfp4_grouped_gemm(
                          "masked_m (masked layout, a [E, cap, K]) or topk_ids (routed layout, a "
                          "[T, K] or [T*k, K]); got " + (" and ".join(given) or "none"))
     masked, routed = masked_m is not None, topk_ids is not None
+    route_div = 1  # routed layout: activation row = output row // route_div
     if expert_counts is not None and expert_offsets is None:
         raise ValueError(f"{op}: expert_counts is only for the contiguous layout (expert_offsets), "
                          f"not with {given[0]}")
@@ -648,8 +649,7 @@ def mxfp4_grouped_gemm(
         pw = w if packed else mxfp4_prepack(w, w_scale, fuse_swiglu=fuse_swiglu,
                                             act_dtype=a.dtype, check_scales=False)
         _launch_cuda(a, pw, a_scale, expert_offsets, expert_counts, masked_m, out, num_experts,
-                     m_rows, cap, k, fuse_swiglu, swiglu_limit,
-                     topk_ids if routed else None, route_div if routed else 1)
+                     m_rows, cap, k, fuse_swiglu, swiglu_limit, topk_ids, route_div)
         return out
 
     if packed:
@@ -659,7 +659,7 @@ def mxfp4_grouped_gemm(
     _C.mxfp4_grouped_gemm_cpu(
         ptr(a), dtype_code(a), ptr(a_scale), ptr(w), ptr(w_scale), ptr(expert_offsets),
         ptr(expert_counts), ptr(masked_m), ptr(out), dtype_code(out), num_experts, m_rows, cap,
-        n, k, fuse_swiglu, swiglu_limit, ptr(topk_ids), route_div if routed else 1)
+        n, k, fuse_swiglu, swiglu_limit, ptr(topk_ids), route_div)
     return out
 
 
@@ -703,7 +703,8 @@ def _check_values(num_experts: int, m_rows: int, cap: int, offsets: torch.Tensor
 # INTERIM CUDA PATH: plain torch, until the Hopper MXFP4 kernel lands (a later issue). It
 # dequantizes each needed expert to float32, multiplies in float32 (float32 accumulation like the
 # kernel, and the SwiGLU sees unrounded float32 values) and writes only the owned rows.
-#   * contiguous layout: no host sync either (see _interim_cuda), at E times the FLOPs;
+#   * contiguous and routed layouts: no host sync either (_each_expert_where), at E times the
+#     FLOPs;
 #   * masked layout: no host sync: experts are processed in fixed-size chunks with a batched
 #     matmul, and rows >= masked_m[e] keep their old contents through torch.where.
 # --------------------------------------------------------------------------------------------
@@ -749,16 +750,22 @@ def _swiglu(y: torch.Tensor, fuse: bool, limit: float | None) -> torch.Tensor:
     return torch.nn.functional.silu(g) * u
 
 
+def _each_expert_where(x, w, w_scale, owns, fuse, limit, out) -> None:
+    """Without a host sync (the engine launches rounds without waiting): every expert multiplies
+    all rows of x and torch.where keeps the output rows owns(e) marks (a bool [rows] mask). E
+    times the FLOPs of the real kernel: fine for the small models the interim path serves, not
+    for V4-Flash."""
+    for e in range(w.shape[0]):
+        y = _swiglu(x @ _dequant_torch(w[e], w_scale[e]).T, fuse, limit)
+        out.copy_(torch.where(owns(e)[:, None], y.to(out.dtype), out))
+
+
 def _interim_routed_cuda(a, w, w_scale, topk_ids, a_scale, fuse, limit, out) -> None:
-    """Routed layout, no host sync: each expert multiplies every row and torch.where keeps the
-    output rows routed to it (E times the FLOPs, like the contiguous interim path)."""
     ids = topk_ids.reshape(-1)
     x = _act_f32(a, a_scale)
     if x.shape[0] != ids.shape[0]:  # a [T, K]: each token's row serves its k slots
         x = x.repeat_interleave(topk_ids.shape[1], dim=0)
-    for e in range(w.shape[0]):
-        y = _swiglu(x @ _dequant_torch(w[e], w_scale[e]).T, fuse, limit)
-        out.copy_(torch.where((ids == e)[:, None], y.to(out.dtype), out))
+    _each_expert_where(x, w, w_scale, lambda e: ids == e, fuse, limit, out)
 
 
 def _interim_cuda(a, w, w_scale, offsets, counts, masked_m, a_scale, fuse, limit, out) -> None:
@@ -776,15 +783,9 @@ def _interim_cuda(a, w, w_scale, offsets, counts, masked_m, a_scale, fuse, limit
             keep = (rows[None, :] < masked_m[e0:e1, None])[..., None]
             out[e0:e1] = torch.where(keep, y.to(out.dtype), out[e0:e1])
         return
-    # Contiguous layout without a host sync (the engine launches rounds without waiting): every
-    # expert multiplies all M rows and torch.where keeps the rows it owns. E times the FLOPs of
-    # the real kernel: fine for the small models the interim path serves, not for V4-Flash.
-    m_rows = a.shape[0]
-    rows = torch.arange(m_rows, device=a.device)
+    # Contiguous layout: expert e owns rows [start[e], end[e]).
+    rows = torch.arange(a.shape[0], device=a.device)
     start = offsets[:-1]
     end = start + (counts if counts is not None else offsets[1:] - offsets[:-1])
-    x = _act_f32(a, a_scale)
-    for e in range(w.shape[0]):
-        own = ((rows >= start[e]) & (rows < end[e]))[:, None]
-        y = _swiglu(x @ _dequant_torch(w[e], w_scale[e]).T, fuse, limit)
-        out.copy_(torch.where(own, y.to(out.dtype), out))
+    _each_expert_where(_act_f32(a, a_scale), w, w_scale,
+                       lambda e: (rows >= start[e]) & (rows < end[e]), fuse, limit, out)
