@@ -109,5 +109,24 @@ for dt in (torch.bfloat16, torch.float32):
     mxfp4_grouped_gemm(xb, pb, None, expert_offsets=offb, a_scale=scb, out_dtype=dt)
 _mg._FORCE_TILE = 0
 
+# The routed layout (topk_ids, no dispatch): the plan (tiny + small tier at 252 rows with skewed
+# experts), each decode tile forced, per-token and per-slot activations, -1 and out-of-range ids
+# (rows not written: the kernel must skip them, not read past the schedule), then the routed
+# combine.
+for T, k, tiles in [(1, 6, (0, 1, 3)), (42, 6, (0, 1, 3)), (7, 3, (3,))]:
+    ids = torch.randint(-1, E + 2, (T, k), generator=gen, dtype=torch.int32)
+    if T == 42:
+        ids[:30, :3] = torch.arange(3, dtype=torch.int32)  # 30+ rows on experts 0-2
+    ids = ids.cuda()
+    xr = torch.randn(T, K, generator=gen).to("cuda", torch.bfloat16)
+    for tile in tiles:
+        _mg._FORCE_TILE = tile
+        mxfp4_grouped_gemm(xr, packs[True], None, topk_ids=ids, fuse_swiglu=True,
+                           swiglu_limit=7.0)
+        hs = torch.randn(T * k, K, generator=gen).to("cuda", torch.bfloat16)
+        o = mxfp4_grouped_gemm(hs, packs[False], None, topk_ids=ids)
+        moe_combine(o, None, torch.rand(T, k, generator=gen).cuda(), topk_ids=ids)
+_mg._FORCE_TILE = 0
+
 torch.cuda.synchronize()
 print("sanitize cases done")

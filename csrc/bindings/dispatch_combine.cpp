@@ -35,11 +35,11 @@ void register_dispatch_combine(py::module_& m) {
       "moe_combine",
       [](bool cuda, uintptr_t expert_out, int expert_out_dtype, uintptr_t token_row,
          uintptr_t weights, int weights_dtype, int64_t rows, int64_t num_tokens, int64_t hidden,
-         int64_t topk, uintptr_t out, int out_dtype, uintptr_t stream) {
+         int64_t topk, uintptr_t out, int out_dtype, bool routed, uintptr_t stream) {
         MoeCombineParams p{as_ptr<const void>(expert_out), static_cast<DType>(expert_out_dtype),
                            as_ptr<const int32_t>(token_row), as_ptr<const void>(weights),
                            static_cast<DType>(weights_dtype), rows, num_tokens, hidden, topk,
-                           as_ptr<void>(out), static_cast<DType>(out_dtype)};
+                           as_ptr<void>(out), static_cast<DType>(out_dtype), routed};
         py::gil_scoped_release nogil;
         if (!cuda) {
           moe_combine_cpu(p);

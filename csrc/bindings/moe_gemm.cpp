@@ -19,7 +19,8 @@ template <class Params>
 void set_common(Params& p, uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t expert_offsets,
                 uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out, int out_dtype,
                 int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k,
-                bool fuse_swiglu, const std::optional<double>& swiglu_limit) {
+                bool fuse_swiglu, const std::optional<double>& swiglu_limit,
+                uintptr_t route_ids, int64_t route_div) {
   p.a = as_ptr<const void>(a);
   p.a_dtype = static_cast<DType>(a_dtype);
   p.a_scale = as_ptr<const float>(a_scale);
@@ -36,6 +37,8 @@ void set_common(Params& p, uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_
   p.fuse_swiglu = fuse_swiglu;
   p.has_swiglu_limit = swiglu_limit.has_value();
   p.swiglu_limit = swiglu_limit ? static_cast<float>(*swiglu_limit) : 0.f;
+  p.route_ids = as_ptr<const int32_t>(route_ids);
+  p.route_div = route_div;
 }
 
 }  // namespace
@@ -46,10 +49,12 @@ void register_moe_gemm(py::module_& m) {
       [](uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t w, uintptr_t w_scale,
          uintptr_t expert_offsets, uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out,
          int out_dtype, int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k,
-         bool fuse_swiglu, std::optional<double> swiglu_limit) {
+         bool fuse_swiglu, std::optional<double> swiglu_limit, uintptr_t route_ids,
+         int64_t route_div) {
         Mxfp4GemmParams p;
         set_common(p, a, a_dtype, a_scale, expert_offsets, expert_counts, masked_m, out,
-                   out_dtype, num_experts, m_rows, cap, n, k, fuse_swiglu, swiglu_limit);
+                   out_dtype, num_experts, m_rows, cap, n, k, fuse_swiglu, swiglu_limit,
+                   route_ids, route_div);
         p.w = as_ptr<const uint8_t>(w);
         p.w_scale = as_ptr<const uint8_t>(w_scale);
         py::gil_scoped_release nogil;
@@ -60,7 +65,8 @@ void register_moe_gemm(py::module_& m) {
       py::arg("a"), py::arg("a_dtype"), py::arg("a_scale"), py::arg("w"), py::arg("w_scale"),
       py::arg("expert_offsets"), py::arg("expert_counts"), py::arg("masked_m"), py::arg("out"),
       py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
-      py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"));
+      py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"), py::arg("route_ids") = 0,
+      py::arg("route_div") = 1);
   def(m,
       "mxfp4_grouped_gemm_cuda",
       [](uintptr_t a, int a_dtype, uintptr_t a_scale, uintptr_t w_packed, uintptr_t row_base,
@@ -69,11 +75,13 @@ void register_moe_gemm(py::module_& m) {
          uintptr_t expert_counts, uintptr_t masked_m, uintptr_t out, int out_dtype,
          int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k, bool fuse_swiglu,
          std::optional<double> swiglu_limit, int tile, uintptr_t a_kslot,
-         int64_t a_scale_row_stride, int64_t a_scale_k_stride, uintptr_t stream) {
+         int64_t a_scale_row_stride, int64_t a_scale_k_stride, uintptr_t stream,
+         uintptr_t route_ids, int64_t route_div) {
 #ifdef ZEROINFER_WITH_CUDA
         Mxfp4CudaGemmParams p;
         set_common(p, a, a_dtype, a_scale, expert_offsets, expert_counts, masked_m, out,
-                   out_dtype, num_experts, m_rows, cap, n, k, fuse_swiglu, swiglu_limit);
+                   out_dtype, num_experts, m_rows, cap, n, k, fuse_swiglu, swiglu_limit,
+                   route_ids, route_div);
         p.a_scale_row_stride = a_scale_row_stride;
         p.a_scale_k_stride = a_scale_k_stride;
         p.w_packed = as_ptr<const uint8_t>(w_packed);
@@ -94,7 +102,8 @@ void register_moe_gemm(py::module_& m) {
         (void)expert_counts;
         (void)masked_m, (void)out, (void)out_dtype, (void)num_experts, (void)m_rows, (void)cap;
         (void)n, (void)k, (void)fuse_swiglu, (void)swiglu_limit, (void)tile, (void)a_kslot;
-        (void)a_scale_row_stride, (void)a_scale_k_stride, (void)stream;
+        (void)a_scale_row_stride, (void)a_scale_k_stride, (void)stream, (void)route_ids;
+        (void)route_div;
         throw std::runtime_error("zeroinfer._C was built without CUDA");
 #endif
       },
@@ -107,12 +116,13 @@ void register_moe_gemm(py::module_& m) {
       py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
       py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"), py::arg("tile"),
       py::arg("a_kslot"), py::arg("a_scale_row_stride"), py::arg("a_scale_k_stride"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("route_ids") = 0, py::arg("route_div") = 1);
   def(m,
       "mxfp4_cuda_plan",
-      [](bool fp8, bool masked, int64_t m_rows, int64_t num_experts, int64_t cap, int requested) {
+      [](bool fp8, bool masked, int64_t m_rows, int64_t num_experts, int64_t cap, int requested,
+         bool routed) {
         const Mxfp4CudaPlan plan = mxfp4_cuda_plan(fp8, masked, m_rows, num_experts, cap,
-                                                   requested);
+                                                   requested, routed);
         py::list launches;
         for (int i = 0; i < plan.launches; ++i)
           launches.append(py::make_tuple(plan.tile[i], plan.from_rows[i]));
@@ -121,15 +131,17 @@ void register_moe_gemm(py::module_& m) {
       "How the CUDA MXFP4 kernel covers the experts, from the shapes (requested 0) or a forced "
       "tile: a tuple of launches (tile, from_rows), from_rows ascending from 0; a launch runs "
       "the experts holding from_rows up to the next launch's from_rows rows. Tile 4 reads bf16 "
-      "activations in the packed weights' k-slot order.",
+      "activations in the packed weights' k-slot order. routed: the routed layout (topk_ids), "
+      "which runs the decode tiles (3, 1) only.",
       py::arg("fp8"), py::arg("masked"), py::arg("m"), py::arg("num_experts"), py::arg("cap"),
-      py::arg("requested"));
+      py::arg("requested"), py::arg("routed") = false);
   m.attr("MXFP4_BLOCK_BYTES") = kMxfp4BlockBytes;
   m.attr("MXFP4_GROUP_STRIPS") = kMxfp4GroupStrips;
   m.attr("MXFP4_STAGE_BLOCKS") = kMxfp4StageBlocks;
   m.attr("MXFP4_PACK_ROWS") = kMxfp4PackRows;
   m.attr("MXFP4_PACK_K") = kMxfp4PackK;
   m.attr("MXFP4_CUDA_MAX_EXPERTS") = kMxfp4CudaMaxExperts;
+  m.attr("MXFP4_ROUTED_MAX_ROWS") = kMxfp4RoutedMaxRows;
   m.attr("MXFP4_ROW_BASE_MIN") = kMxfp4RowBaseMin;
   m.attr("MXFP4_ROW_BASE_MAX") = kMxfp4RowBaseMax;
   m.attr("MXFP4_ROW_BASE_SPREAD") = kMxfp4RowBaseSpread;

@@ -91,8 +91,9 @@ void moe_combine_cpu(const MoeCombineParams& p) {
     for (int64_t t = begin; t < end; ++t) {
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < p.topk; ++j) {
-        const int32_t r = p.token_row[t * p.topk + j];
-        if (r < 0) continue;
+        const int32_t v = p.token_row[t * p.topk + j];
+        if (v < 0) continue;
+        const int64_t r = p.routed ? t * p.topk + j : v;
         ZI_CHECK(r < p.rows, "token_row out of range");
         const float w = load_float(p.weights, p.weights_dtype, t * p.topk + j);
         if (p.expert_out_dtype == DType::kFloat32) {

@@ -279,9 +279,11 @@ void grow(std::vector<float>& v, size_t n) {
 }  // namespace
 
 void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p) {
-  const bool masked = p.masked_m != nullptr;
-  ZI_CHECK(masked != (p.expert_offsets != nullptr),
-           "exactly one of expert_offsets / masked_m must be given");
+  const bool masked = p.masked_m != nullptr, routed = p.route_ids != nullptr;
+  ZI_CHECK(int{masked} + int{routed} + int{p.expert_offsets != nullptr} == 1,
+           "exactly one of expert_offsets / masked_m / route_ids must be given");
+  ZI_CHECK(!routed || (p.route_div >= 1 && p.m % p.route_div == 0),
+           "route_div must be >= 1 and divide m");
   ZI_CHECK(!(masked && p.expert_counts != nullptr), "expert_counts only with expert_offsets");
   ZI_CHECK(p.num_experts >= 1, "num_experts must be >= 1");
   ZI_CHECK(p.n >= 1 && p.k >= 32 && p.k % 32 == 0, "need n >= 1 and k a positive multiple of 32");
@@ -302,9 +304,23 @@ void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p) {
   const int64_t E = p.num_experts, k = p.k;
   const int64_t n_out = p.fuse_swiglu ? p.n / 2 : p.n;
 
-  // Rows of each expert: [row0[e], row0[e] + cnt[e]) of a / out (flattened over experts if masked).
-  std::vector<int64_t> row0(E), cnt(E);
-  for (int64_t e = 0; e < E; ++e) {
+  // Rows of each expert: [row0[e], row0[e] + cnt[e]) of a / out (flattened over experts if masked;
+  // routed: of the row order `order`, the output rows sorted stably by expert).
+  std::vector<int64_t> row0(E), cnt(E), order;
+  if (routed) {
+    for (int64_t i = 0; i < p.m; ++i) {
+      const int64_t e = p.route_ids[i];
+      if (e >= 0 && e < E) ++cnt[e];
+    }
+    for (int64_t e = 0, r = 0; e < E; r += cnt[e], ++e) row0[e] = r;
+    order.resize(p.m);
+    std::vector<int64_t> cursor(row0);
+    for (int64_t i = 0; i < p.m; ++i) {
+      const int64_t e = p.route_ids[i];
+      if (e >= 0 && e < E) order[cursor[e]++] = i;
+    }
+  }
+  for (int64_t e = 0; e < E && !routed; ++e) {
     if (masked) {
       const int64_t mm = p.masked_m[e];
       ZI_CHECK(mm >= 0 && mm <= p.cap, "masked_m[e] must be in [0, cap]");
@@ -368,10 +384,11 @@ void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p) {
 
     for (int64_t r0 = 0; r0 < cnt[e]; r0 += block) {
       const int64_t rb = std::min(block, cnt[e] - r0);
-      const int64_t first = row0[e] + r0;  // global row index in a / out
+      const int64_t first = row0[e] + r0;  // global row index in a / out (routed: in order)
+      auto out_row = [&](int64_t r) { return routed ? order[first + r] : first + r; };
       // 2. Activation rows -> float.
       for (int64_t r = 0; r < rb; ++r) {
-        const int64_t row = first + r;
+        const int64_t row = routed ? out_row(r) / p.route_div : first + r;
         convert_row(static_cast<const char*>(p.a) + row * k * a_elem, p.a_dtype,
                     fp8 ? p.a_scale + row * (k / 128) : nullptr, k, s.a.data() + r * k);
       }
@@ -383,9 +400,9 @@ void mxfp4_grouped_gemm_cpu(const Mxfp4GemmParams& p) {
         float* of = nullptr;
         uint16_t* ob = nullptr;
         if (p.out_dtype == DType::kFloat32)
-          of = static_cast<float*>(p.out) + (first + r) * n_out + c0;
+          of = static_cast<float*>(p.out) + out_row(r) * n_out + c0;
         else
-          ob = static_cast<uint16_t*>(p.out) + (first + r) * n_out + c0;
+          ob = static_cast<uint16_t*>(p.out) + out_row(r) * n_out + c0;
         for (int64_t c = 0; c < tc; ++c) {
           float v = y[c];
           if (p.fuse_swiglu) {

@@ -62,6 +62,7 @@
 
 #include "block_scan.cuh"
 #include "check.cuh"
+#include "launch.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
 #include "zeroinfer/moe_gemm.h"
@@ -541,6 +542,13 @@ __device__ __forceinline__ void for_stages(int kt_total, int kt_main, Body&& bod
   }
 }
 
+// ---- programmatic launch ------------------------------------------------------------------------
+// Every launch of these kernels is programmatic (launch_variant, launch.cuh), so a CTA may be
+// resident while the kernel before it in the stream (the previous tier, the gate/up GEMM before
+// the down one, the dispatch) still runs: its launch and shared-memory set-up (the e4m3 tables,
+// the mbarriers) hide behind that kernel's tail. Each kernel calls await_earlier_kernels before
+// anything touches global memory: the schedule, which reads the routing, comes first.
+
 // ---- device-side schedule ----------------------------------------------------------------------
 // prefix[e] = tiles of the experts before e (bm rows per tile); prefix[E] = total tiles.
 template <class C>
@@ -577,6 +585,75 @@ __device__ void build_schedule(const Mxfp4CudaGemmParams& p, int* prefix, int* r
   __syncthreads();
 }
 
+// The routed layout (Mxfp4CudaGemmParams::route_ids): cnt[e] from the ids (shared-memory atomics:
+// a count does not depend on the order they land in), row0 / prefix from one scan of both sums,
+// then rowmap[v] = the output row at place v of the row order, the rows sorted stably by expert:
+// warp 0 walks the ids 32 at a time in row order, __match_any_sync ranking equal experts, so
+// every CTA builds the same map (the CPU twin's `order`; a tile's rows must be the same rows in
+// each CTA that runs one of its column tiles). Warp 0 loads its ids first, before the counts, so
+// they are in registers when the walk starts.
+template <class C>
+__device__ void build_routed_schedule(const Mxfp4CudaGemmParams& p, int* prefix, int* row0,
+                                      int* cnt, uint16_t* rowmap) {
+  constexpr int kChunks = static_cast<int>(kMxfp4RoutedMaxRows / 32);
+  const int E = static_cast<int>(p.num_experts), m = static_cast<int>(p.m);
+  const int tid = threadIdx.x, lane = tid & 31;
+  auto expert_at = [&](int i) {
+    const int e = i < m ? p.route_ids[i] : -1;
+    return e >= 0 && e < E ? e : -1;
+  };
+  int ids[kChunks];
+  if (tid < 32) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) ids[c] = expert_at(c * 32 + lane);
+  }
+  for (int e = tid; e < E; e += C::threads) cnt[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < m; i += C::threads) {
+    const int e = expert_at(i);
+    if (e >= 0) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  // Rows (high 16 bits) and tiles (low) of the thread's experts, scanned together: both <= m.
+  static_assert(kMxfp4RoutedMaxRows < (1 << 15), "rows and tiles share one int");
+  const int per = (E + C::threads - 1) / C::threads;
+  const int e0 = min(E, tid * per), e1 = min(E, e0 + per);
+  int sum = 0;
+  for (int e = e0; e < e1; ++e) {
+    int c = cnt[e];
+    if (c < p.rows_lo || c >= p.rows_hi) cnt[e] = c = 0;  // another launch of a split plan has e
+    sum += c << 16 | (c + C::bm - 1) / C::bm;
+  }
+  int total;
+  const int before = block_exclusive_scan(sum, &total);
+  int rows = before >> 16, tiles = before & 0xffff;
+  for (int e = e0; e < e1; ++e) {
+    row0[e] = rows;
+    prefix[e] = tiles;
+    rows += cnt[e];
+    tiles += (cnt[e] + C::bm - 1) / C::bm;
+  }
+  if (tid == 0) prefix[E] = total & 0xffff;
+  __syncthreads();
+  if (tid < 32) {  // row0[e] serves as expert e's cursor, and ends cnt[e] further on
+    const unsigned below = (1u << lane) - 1u;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (c * 32 >= m) break;
+      const int e = ids[c] >= 0 && cnt[ids[c]] > 0 ? ids[c] : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      const int base = e >= 0 ? row0[e] : 0;
+      if (e >= 0) rowmap[base + __popc(peers & below)] = static_cast<uint16_t>(c * 32 + lane);
+      __syncwarp();
+      if (e >= 0 && (peers & below) == 0) row0[e] = base + __popc(peers);
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  for (int e = e0; e < e1; ++e) row0[e] -= cnt[e];
+  __syncthreads();
+}
+
 // The device-side schedule in shared memory (after the pipeline: `sched`) and the work item
 // a CTA runs: (tile slot, N tile) -> its expert's rows and weight strips.
 struct ItemTile {
@@ -594,18 +671,25 @@ __device__ __forceinline__ const uint8_t* strip_stages(const uint8_t* wtile, int
          (strip & (kMxfp4GroupStrips - 1)) * kStripStage;
 }
 
-template <class C>
+// kRouted: the routed layout; the tiles' rows are then places of the row order, rowmap[place] the
+// output row (the activation row is that / route_div).
+template <class C, bool kRouted = false>
 struct Schedule {
   int E, strips_total, n_tiles;
   int64_t kb_total, items;
   int *prefix, *row0, *cnt;
+  uint16_t* rowmap;
 
   __device__ Schedule(const Mxfp4CudaGemmParams& p, uint8_t* sched) {
     E = static_cast<int>(p.num_experts);
     prefix = reinterpret_cast<int*>(sched);
     row0 = prefix + (E + 1);
     cnt = row0 + E;
-    build_schedule<C>(p, prefix, row0, cnt);
+    rowmap = reinterpret_cast<uint16_t*>(cnt + E);
+    if constexpr (kRouted)
+      build_routed_schedule<C>(p, prefix, row0, cnt, rowmap);
+    else
+      build_schedule<C>(p, prefix, row0, cnt);
     strips_total = static_cast<int>(p.n_pad / 16);
     n_tiles = (strips_total + C::strips - 1) / C::strips;
     kb_total = p.k_pad / 64;
@@ -712,24 +796,31 @@ __device__ __forceinline__ void fragment_outputs(const Mxfp4CudaGemmParams& p, i
   }
 }
 
-// One C fragment to the output; rows past n_out and tokens past tile_rows dropped.
+// One C fragment to the output; rows past n_out and tokens past tile_rows dropped. rowmap: the
+// routed layout's row order (the output row of tile row tile_row0 + tk), nullptr: the identity.
 __device__ __forceinline__ void store_fragment(const Mxfp4CudaGemmParams& p, bool out_bf16,
                                                int n_out, int strip, int g, int tok,
-                                               int tile_row0, int tile_rows, const float* c) {
+                                               int tile_row0, int tile_rows, const uint16_t* rowmap,
+                                               const float* c) {
   fragment_outputs(p, strip, g, tok, c, [&](int tk, int col, auto value) {
-    if (col < n_out && tk < tile_rows)
-      store_out(p.out, out_bf16, static_cast<int64_t>(tile_row0 + tk) * n_out + col, value());
+    if (col < n_out && tk < tile_rows) {
+      const int row = rowmap != nullptr ? rowmap[tile_row0 + tk] : tile_row0 + tk;
+      store_out(p.out, out_bf16, static_cast<int64_t>(row) * n_out + col, value());
+    }
   });
 }
 
 // ---- the kernel --------------------------------------------------------------------------------
 // kWide: some scale byte exceeds 128 (Mxfp4CudaGemmParams::wide_scales), so the bf16 decode
-// multiplies twice; a template parameter so the narrow decode is straight-line code.
-template <class C, bool kWide>
+// multiplies twice; a template parameter so the narrow decode is straight-line code. kRouted: the
+// routed layout (route_ids): each activation row is gathered through the schedule's row map and
+// each output row scattered through it; the copies are otherwise the same.
+template <class C, bool kWide, bool kRouted>
 __global__ void __launch_bounds__(C::threads, C::min_blocks)
     mxfp4_moe_kernel(const __grid_constant__ Mxfp4CudaGemmParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
-  const Schedule<C> sch(p, smem + C::pipe_bytes);
+  await_earlier_kernels();  // (the schedule reads offsets / counts or ids: earlier outputs)
+  const Schedule<C, kRouted> sch(p, smem + C::pipe_bytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_n = warp % C::warps_n, warp_m = warp / C::warps_n;
@@ -750,8 +841,9 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     const int nj = min(max((tile_rows - warp_tok0 + 7) / 8, 0), C::wt);
     const bool warp_active = nj > 0 && warp_n * C::wn < strips_valid;
 
-    const uint8_t* atile =
-        static_cast<const uint8_t*>(p.a) + static_cast<int64_t>(tile_row0) * k * kEsize;
+    // (routed: row 0, the base the gathered rows' offsets add to)
+    const uint8_t* atile = static_cast<const uint8_t*>(p.a) +
+                           (kRouted ? 0 : static_cast<int64_t>(tile_row0) * k * kEsize);
 
     // Warp w copies its own strip's stage, chunks lane + 32 u of the strip's contiguous
     // kStripStage bytes, so a chunk's addresses are one add from the stage's. A warp whose strip
@@ -775,11 +867,29 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
     // stages whose k block still covers its column (later ones zero-fill: k % kBK != 0).
     // (A thread whose first row is past the tile names row 0's chunk instead, zero-filled: a
     // valid address, a_rows = 0.)
-    const uint8_t* a_src = atile + (tile_rows > a_r0 ? a_off0 : a_cc * 16);
+    const uint8_t* a_src = atile + (!kRouted && tile_rows > a_r0 ? a_off0 : a_cc * 16);
     const int a_rows = tile_rows > a_r0 ? (tile_rows - a_r0 + kRowStep - 1) / kRowStep : 0;
     const int a_col = a_cc * (16 / kEsize);
     const int a_kt_end = k > a_col ? (k - a_col + kBK - 1) / kBK : 0;
     const int64_t a_row_step = static_cast<int64_t>(kRowStep) * k * kEsize;
+    // Routed: the byte offset of each of the thread's rows from a_src (its activation row through
+    // the row map; 0 past the tile). Contiguous: u * a_row_step.
+    uint32_t a_gather[kRouted ? kAChunks : 1] = {};
+    if constexpr (kRouted) {
+      const int div = static_cast<int>(p.route_div);
+#pragma unroll
+      for (int u = 0; u < kAChunks; ++u) {
+        if (u < a_rows)
+          a_gather[u] = static_cast<uint32_t>(sch.rowmap[tile_row0 + a_r0 + u * kRowStep] / div) *
+                        static_cast<uint32_t>(k * kEsize);
+      }
+    }
+    auto a_row_off = [&](int u) -> int64_t {
+      if constexpr (kRouted)
+        return a_gather[u];
+      else
+        return u * a_row_step;
+    };
 
     // The copies of one stage into the ring slot at shared address `slot`: the weights from
     // w_src (this lane's first chunk of the stage), the tokens from a_src (its first row's chunk),
@@ -800,7 +910,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
 #pragma unroll
       for (int u = 0; u < kAChunks; ++u) {
         const bool live = a_live && u < a_rows;
-        const uint8_t* src = a_live ? as + (u < a_rows ? u * a_row_step : 0) : atile;
+        const uint8_t* src = a_live ? as + (u < a_rows ? a_row_off(u) : 0) : atile;
         cp_async16(ad + u * kRowStep * C::a_pitch, src, live);
       }
     };
@@ -880,7 +990,8 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
         for (int j = 0; j < C::wt; ++j) {
           if (j < nj)  // tile-local tokens warp_tok0 + 8 j + 2 t (+1)
             store_fragment(p, out_bf16, n_out, strip0 + warp_n * C::wn + i, g,
-                           warp_tok0 + j * 8 + 2 * t, tile_row0, tile_rows, acc[i][j]);
+                           warp_tok0 + j * 8 + 2 * t, tile_row0, tile_rows,
+                           kRouted ? sch.rowmap : nullptr, acc[i][j]);
         }
       }
     }
@@ -967,6 +1078,7 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
   __shared__ uint2 luts[C::fp8 ? kE4m3Luts : 1];
   if constexpr (C::fp8) e4m3_lut_init(reinterpret_cast<uint8_t*>(luts));
   if (threadIdx.x == 0 && (smem_u32(smem) & 1023u) != 0) __trap();
+  await_earlier_kernels();
   // The schedule arrays sit after the pipeline.
   const Schedule<C> sch(p, smem + C::pipe_bytes);
 
@@ -1477,6 +1589,7 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
     for (int d = 0; d < 2; ++d) mbar_init(smem_u32(&dfree_mb[d]), C::consumers);
     mbar_init_fence();
   }
+  await_earlier_kernels();
   const Schedule<C> sch(p, smem + C::pipe_bytes);  // (its barrier publishes the above)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1752,7 +1865,10 @@ __global__ void __launch_bounds__(WsFp8Cfg::threads, 1)
 // ---- host side ---------------------------------------------------------------------------------
 constexpr int kMaxDevices = 64;
 
-int64_t schedule_smem_bytes(int64_t num_experts) { return (3 * num_experts + 1) * 4; }
+// prefix, row0, cnt (int32), then the routed layout's row map (uint16, routed_rows of them).
+int64_t schedule_smem_bytes(int64_t num_experts, int64_t routed_rows = 0) {
+  return (3 * num_experts + 1) * 4 + (routed_rows * 2 + 3) / 4 * 4;
+}
 
 // A 2-D tensor map over global memory (dims / box innermost first, strides in bytes), encoded
 // through the runtime's driver entry point, so that the extension needs no libcuda link.
@@ -1812,8 +1928,8 @@ CUtensorMap weight_tensor_map(const Mxfp4CudaGemmParams& p, int box_strips) {
 }
 
 // One launch of config C; kWide as in mxfp4_moe_kernel (float8 has one variant: its decode
-// takes the scales through the byte tables).
-template <class C, bool kWide>
+// takes the scales through the byte tables); kRouted: the routed layout (mma.sync tiles only).
+template <class C, bool kWide, bool kRouted>
 void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   constexpr bool kWs = std::is_same_v<C, WsFp8Cfg>;
   using Params = std::conditional_t<kWs, WsFp8Params, Mxfp4CudaGemmParams>;
@@ -1823,8 +1939,9 @@ void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   else if constexpr (C::wgmma)
     kernel = mxfp4_moe_wgmma_kernel<C, kWide>;
   else
-    kernel = mxfp4_moe_kernel<C, kWide>;
+    kernel = mxfp4_moe_kernel<C, kWide, kRouted>;
   const int64_t E = p.num_experts;
+  const int64_t routed_rows = kRouted ? p.m : 0;
   const int64_t n_tiles = (p.n_pad / 16 + C::strips - 1) / C::strips;
   const int64_t tiles_bound = p.masked_m != nullptr
                                   ? E * ((p.cap + C::bm - 1) / C::bm)
@@ -1835,36 +1952,42 @@ void launch_variant(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
   int dev = 0;
   ZI_CUDA_CHECK(cudaGetDevice(&dev));
   ZI_CHECK(dev >= 0 && dev < kMaxDevices, "device index out of range");
-  const int smem = static_cast<int>(C::pipe_bytes + schedule_smem_bytes(E));
+  const int smem = static_cast<int>(C::pipe_bytes + schedule_smem_bytes(E, routed_rows));
+  // The occupancy's key: E + 1 and the row map's rows (0: not computed yet).
+  const int64_t key = (E + 1) | routed_rows << 20;
+  static_assert(kMxfp4CudaMaxExperts < (1 << 20), "the key's expert field");
   static std::mutex mu;
   static int sm_count[kMaxDevices] = {};
-  static int64_t occ_key[kMaxDevices] = {};  // E + 1 the occupancy was computed for (0: none)
+  static int64_t occ_key[kMaxDevices] = {};
   static int occ_val[kMaxDevices] = {};
   int blocks_per_sm = 0, sms = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (sm_count[dev] == 0) {
       ZI_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev));
-      const int max_smem =
-          static_cast<int>(C::pipe_bytes + schedule_smem_bytes(kMxfp4CudaMaxExperts));
+      const int max_smem = static_cast<int>(
+          C::pipe_bytes + schedule_smem_bytes(kMxfp4CudaMaxExperts, kRouted ? kMxfp4RoutedMaxRows
+                                                                            : 0));
       ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem));
     }
-    if (occ_key[dev] != E + 1) {
+    if (occ_key[dev] != key) {
       ZI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
           &occ_val[dev], kernel, C::threads, smem));
-      occ_key[dev] = E + 1;
+      occ_key[dev] = key;
     }
     blocks_per_sm = std::max(occ_val[dev], 1);
     sms = sm_count[dev];
   }
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(items_bound,
                                                               int64_t{sms} * blocks_per_sm));
+  // Programmatic: the CTAs may start under the previous kernel's tail (await_earlier_kernels).
+  const dim3 g(static_cast<unsigned>(grid)), b(C::threads);
   if constexpr (kWs) {
     const WsFp8Params prm{p, token_tensor_map(p, C::bm), weight_tensor_map(p, C::strips)};
-    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(prm);
+    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, prm);
   } else {
-    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(p);
+    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, p);
   }
   ZI_CUDA_CHECK_LAUNCH("mxfp4_moe_kernel");
 }
@@ -1879,12 +2002,24 @@ constexpr bool kIsFp8 = [] {
 
 template <class C>
 void launch(const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
-  if constexpr (kIsFp8<C>)
-    launch_variant<C, false>(p, stream);
-  else if (p.wide_scales)
-    launch_variant<C, true>(p, stream);
-  else
-    launch_variant<C, false>(p, stream);
+  if constexpr (kIsFp8<C>) {
+    launch_variant<C, false, false>(p, stream);
+  } else if constexpr (C::wgmma) {
+    if (p.wide_scales)
+      launch_variant<C, true, false>(p, stream);
+    else
+      launch_variant<C, false, false>(p, stream);
+  } else {  // the mma.sync tiles: also the routed layout
+    const bool routed = p.route_ids != nullptr;
+    if (p.wide_scales && routed)
+      launch_variant<C, true, true>(p, stream);
+    else if (p.wide_scales)
+      launch_variant<C, true, false>(p, stream);
+    else if (routed)
+      launch_variant<C, false, true>(p, stream);
+    else
+      launch_variant<C, false, false>(p, stream);
+  }
 }
 
 // Tile number (Mxfp4CudaGemmParams::tile) -> config: 1 small, 2 wide, 3 tiny, 4 wgmma.
@@ -1903,9 +2038,14 @@ void launch_tile(int tile, const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
 }  // namespace
 
 void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
-  const bool masked = p.masked_m != nullptr;
-  ZI_CHECK(masked != (p.expert_offsets != nullptr),
-           "exactly one of expert_offsets / masked_m must be given");
+  const bool masked = p.masked_m != nullptr, routed = p.route_ids != nullptr;
+  ZI_CHECK(int{masked} + int{routed} + int{p.expert_offsets != nullptr} == 1,
+           "exactly one of expert_offsets / masked_m / route_ids must be given");
+  ZI_CHECK(!routed || (p.a_dtype == DType::kBFloat16 && p.m <= kMxfp4RoutedMaxRows &&
+                       p.route_div >= 1 && p.m % p.route_div == 0 &&
+                       (p.tile == 0 || p.tile == 1 || p.tile == 3)),
+           "the routed layout takes bfloat16 activations, m <= kMxfp4RoutedMaxRows rows, a "
+           "route_div dividing m and the decode tiles (0, 1, 3)");
   ZI_CHECK(!(masked && p.expert_counts != nullptr), "expert_counts only with expert_offsets");
   ZI_CHECK(p.num_experts >= 1 && p.num_experts <= kMxfp4CudaMaxExperts,
            "num_experts out of the CUDA kernel's range");
@@ -1938,7 +2078,7 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
   ZI_CHECK(p.tile >= 0 && p.tile <= 4,
            "tile must be 0 (auto), 1 (small), 2 (wide), 3 (tiny) or 4 (wgmma)");
   const Mxfp4CudaPlan plan = mxfp4_cuda_plan(p.a_dtype == DType::kFloat8E4M3, masked, p.m,
-                                             p.num_experts, p.cap, p.tile);
+                                             p.num_experts, p.cap, p.tile, routed);
   ZI_CHECK((p.a_kslot != nullptr) == (p.a_dtype == DType::kBFloat16 &&
                                       (mxfp4_plan_uses(plan, 4) || mxfp4_plan_uses(plan, 2))),
            "a_kslot (the activations in k-slot order) goes with the bf16 wgmma tiles (2, 4), and "

@@ -38,6 +38,20 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- programmatic dependent launch (sm_90) ------------------------------------------------------
+// A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization may start while the
+// kernel before it in the stream still runs; griddep_wait blocks until that kernel has completed
+// and its memory is visible, so everything before it may touch only what no earlier kernel
+// writes (shared memory, constants). griddep_launch_dependents lets the next such kernel start
+// once every CTA of this one has issued it (or exited). Both are no-ops in a normal launch.
+__device__ __forceinline__ void griddep_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void griddep_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 // ---- mbarriers and tensor (TMA) copies ----------------------------------------------------------
 // An mbarrier counts arrivals and, for bulk copies, transaction bytes; a phase completes when
 // both reach zero. Waiters name the phase by its parity (a fresh barrier is in phase 0).

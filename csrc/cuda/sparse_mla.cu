@@ -42,6 +42,7 @@
 #include <cstdint>
 
 #include "check.cuh"
+#include "launch.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
 #include "zeroinfer/numeric.h"
@@ -888,6 +889,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] = smem_tiles<R, false>(smem_raw);
   const WorkItem w = work_item<R>(a);
+  await_earlier_kernels();  // (a programmatic launch: launch.cuh)
   const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = w;
   float sinks[2];
   load_sinks(a, w, sinks);
@@ -978,6 +980,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, Smem<R, true>::kCtasPerSm)
   [[maybe_unused]] const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] =
       smem_tiles<R, true>(smem_raw);
   const WorkItem w = work_item<R>(a);
+  await_earlier_kernels();  // (a programmatic launch: launch.cuh)
   const auto& [t, head0, split, tile_begin, tile_end, n, lane, rg, cg, g, q4] = w;
   const int e = threadIdx.x / kP, q = threadIdx.x % kP;  // this thread's list entry and part
   float sinks[2];
@@ -1163,6 +1166,7 @@ __global__ void __launch_bounds__(256, 64 / kE) sparse_mla_fp8_h16_kernel(const 
   int* sValid = reinterpret_cast<int*>(smem + S::kValid);
 
   const WorkItem w = work_item<1>(a);
+  await_earlier_kernels();  // (a programmatic launch: launch.cuh)
   const auto& [t, head0, split, tile_begin, tile_end, n64, lane, rg, warp, g, c] = w;
   const int n = n64 * kSub;
   float sinks[2];
@@ -1507,6 +1511,7 @@ __global__ void __launch_bounds__(256, 64 / kE) sparse_mla_fp8_h16_kernel(const 
 
 // Merge the split partials of one (token, head) per warp, in split order.
 __global__ void __launch_bounds__(128) sparse_mla_combine_kernel(const KernelArgs a) {
+  await_earlier_kernels();  // (a programmatic launch under the split kernel's tail: launch.cuh)
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y * 4 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
@@ -1559,7 +1564,7 @@ void launch_h16(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = H16Smem<kE>::kAlloc;
   ZI_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_h16_kernel<kE>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  sparse_mla_fp8_h16_kernel<kE><<<grid, 256, bytes, stream>>>(a);
+  launch_programmatic(sparse_mla_fp8_h16_kernel<kE>, grid, dim3(256), bytes, stream, a);
 }
 
 template <int R, bool kFp8>
@@ -1568,7 +1573,7 @@ void launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   static_assert(bytes * Smem<R, kFp8>::kCtasPerSm <= 227 * 1024, "shared memory budget");
   auto* kernel = kFp8 ? sparse_mla_fp8_kernel<R> : sparse_mla_bf16_kernel<R>;
   ZI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  kernel<<<grid, Geom<R>::kThreads, bytes, stream>>>(a);
+  launch_programmatic(kernel, grid, dim3(Geom<R>::kThreads), bytes, stream, a);
 }
 
 CacheView view_of(const SparseMlaCache& c) {
@@ -1679,7 +1684,7 @@ void sparse_mla_attention_cuda(const SparseMlaParams& p, const SparseMlaCudaPlan
   ZI_CUDA_CHECK_LAUNCH("sparse_mla_attention");
   if (plan.num_splits > 1) {
     dim3 cgrid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>((p.num_heads + 3) / 4));
-    sparse_mla_combine_kernel<<<cgrid, 128, 0, s>>>(a);
+    launch_programmatic(sparse_mla_combine_kernel, cgrid, dim3(128), 0, s, a);
     ZI_CUDA_CHECK_LAUNCH("sparse_mla_combine");
   }
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zeroinfer import ops
 from zeroinfer.model import load
 
 
@@ -32,3 +33,17 @@ def test_logits_independent_of_batch_and_chunking(gen):
             done[i] += len(toks)
         got.append(out[2])
     assert torch.equal(torch.cat(got), alone)
+
+
+def test_moe_routed_and_dispatch_paths_agree(gen, monkeypatch):
+    """The MoE's two paths, bitwise at the logits: small batches hand the router's ids straight
+    to the GEMMs (the routed layout), large ones go through moe_dispatch; the switch point
+    (ops.MXFP4_ROUTED_MAX_ROWS) moved to each end."""
+    m = load("dummy:tiny", seed=5)
+    ids = torch.randint(2, m.config.vocab_size, (30,), generator=gen).tolist()
+    monkeypatch.setattr(ops, "MXFP4_ROUTED_MAX_ROWS", 10**9)
+    routed = m.logits(ids)
+    monkeypatch.setattr(ops, "MXFP4_ROUTED_MAX_ROWS", 0)
+    dispatched = m.logits(ids)
+    assert torch.isfinite(routed).all()
+    assert torch.equal(routed, dispatched)

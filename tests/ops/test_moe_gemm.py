@@ -473,6 +473,135 @@ def test_contiguous_and_masked_agree(seed, E, cap, mode, dtype):
                        y3[owned].view(torch.uint8))
 
 
+# -------------------------------------------------------------------------- routed layout
+def rand_ids(gen, T, k, E, *, unrouted=0.15):
+    """Router-like ids [T, k] int32: k distinct experts a token, a fraction of slots -1 (experts
+    elsewhere)."""
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else \
+        torch.zeros(0, k, dtype=torch.long)
+    drop = torch.rand(ids.shape, generator=gen) < unrouted
+    return torch.where(drop, -1, ids).to(torch.int32)
+
+
+def routed_case(gen, *, T, k, E, N, K, dtype, mode, per_slot=False, ids=None):
+    """Runs the routed layout into a poisoned output and checks it against the reference; returns
+    (output, a, a_scale, w, s, ids, fuse, lim)."""
+    w, s = rand_weights(gen, E, N, K)
+    ids = rand_ids(gen, T, k, E) if ids is None else ids
+    a, a_scale = rand_act(gen, (T * k if per_slot else T, K), dtype)
+    fuse = mode != "plain"
+    lim = None
+    if mode == "swiglu_limit" and bool((ids >= 0).any()):
+        a, a_scale, lim = clamp_inputs(gen, a, a_scale, w, s, topk_ids=ids)
+    od = default_out_dtype(a)
+    n_out = N // 2 if fuse else N
+    out = poisoned((T * k, n_out), od)
+    got = mxfp4_grouped_gemm(a, w, s, topk_ids=ids, a_scale=a_scale, fuse_swiglu=fuse,
+                             swiglu_limit=lim, out=out)
+    assert got is out
+    assert_matches_ref(got, a, w, s, out_dtype=od, fuse_swiglu=fuse, swiglu_limit=lim,
+                       initial=poisoned(out.shape, torch.float64), a_scale=a_scale, topk_ids=ids)
+    return got, a, a_scale, w, s, ids, fuse, lim
+
+
+@pytest.mark.parametrize("per_slot", [False, True])
+@pytest.mark.parametrize("mode", SWIGLU_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+def test_routed_matches_ref(gen, dtype, mode, per_slot):
+    """topk_ids in place of a dispatch: row t*k + j is expert ids[t, j] on token t's row (or on
+    row t*k + j of a [T*k, K] a); rows of -1 stay poisoned."""
+    T = int(torch.randint(1, 12, (1,), generator=gen))
+    routed_case(gen, T=T, k=3, E=7, N=64, K=256, dtype=dtype, mode=mode, per_slot=per_slot)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+def test_routed_equals_dispatch_path(gen, dtype):
+    """The model's two paths, bitwise: moe_dispatch -> contiguous GEMMs -> combine by token_row,
+    and the routed GEMMs -> combine by topk_ids (gate_up with SwiGLU, then down on its output)."""
+    from zeroinfer.ops import moe_combine, moe_dispatch
+
+    T, k, E, D, inter = int(torch.randint(1, 20, (1,), generator=gen)), 4, 9, 128, 64
+    ids = rand_ids(gen, T, k, E)
+    w1, s1 = rand_weights(gen, E, 2 * inter, D)
+    w2, s2 = rand_weights(gen, E, D, inter)
+    x, xs = rand_act(gen, (T, D), dtype)
+    wt = torch.rand(T, k, generator=gen)
+    act = dict(a_scale=xs, out_dtype=torch.float32)
+    d = moe_dispatch(x, ids, E)
+    seg = dict(expert_offsets=d.expert_offsets, expert_counts=d.expert_counts)
+    h = mxfp4_grouped_gemm(d.sorted_x, w1, s1, fuse_swiglu=True, swiglu_limit=4.0, **seg,
+                           **dict(act, a_scale=None if xs is None else xs[d.row_token.long()]))
+    o = mxfp4_grouped_gemm(h, w2, s2, **seg)
+    want = moe_combine(o, d.token_row, wt)
+    hr = mxfp4_grouped_gemm(x, w1, s1, topk_ids=ids, fuse_swiglu=True, swiglu_limit=4.0, **act)
+    live = d.token_row.reshape(-1) >= 0
+    assert torch.equal(hr[live], h[d.token_row.reshape(-1)[live].long()])
+    orr = mxfp4_grouped_gemm(hr, w2, s2, topk_ids=ids)
+    got = moe_combine(orr, None, wt, topk_ids=ids)
+    assert torch.equal(got, want)
+
+
+def test_routed_skewed_single_token_and_unrouted(gen):
+    """Every token's slot j on expert j (k experts of T rows each, more rows than a tile); one
+    token; every slot -1 (nothing written); no tokens."""
+    T, k, E = 37, 3, 8
+    ids = torch.arange(k, dtype=torch.int32).repeat(T, 1)
+    routed_case(gen, T=T, k=k, E=E, N=64, K=128, dtype=torch.bfloat16, mode="swiglu_limit",
+                ids=ids)
+    routed_case(gen, T=1, k=6, E=16, N=96, K=256, dtype=FP8, mode="swiglu", per_slot=True)
+    got = routed_case(gen, T=5, k=2, E=4, N=32, K=64, dtype=torch.float32, mode="plain",
+                      ids=torch.full((5, 2), -1, dtype=torch.int32))[0]
+    assert bool(torch.isnan(got).all())
+    w, s = rand_weights(gen, 3, 32, 64)
+    y = mxfp4_grouped_gemm(torch.empty(0, 64), w, s, topk_ids=torch.zeros(0, 6, dtype=torch.int32))
+    assert y.shape == (0, 32)
+
+
+def test_routed_interim_torch_path_on_cpu(gen):
+    """The interim CUDA path's routed branch (float32 on CUDA) is plain torch: checked on CPU."""
+    from zeroinfer.ops.moe_gemm import _interim_routed_cuda
+
+    for per_slot in (False, True):
+        T, k, E, N, K = 6, 3, 5, 64, 128
+        w, s = rand_weights(gen, E, N, K)
+        ids = rand_ids(gen, T, k, E)
+        a, _ = rand_act(gen, (T * k if per_slot else T, K), torch.float32)
+        out = poisoned((T * k, N // 2), torch.float32)
+        _interim_routed_cuda(a, w, s, ids, None, True, 2.0, out)
+        assert_matches_ref(out, a, w, s, out_dtype=torch.float32, fuse_swiglu=True,
+                           swiglu_limit=2.0, initial=poisoned(out.shape, torch.float64),
+                           topk_ids=ids)
+
+
+def test_routed_bad_inputs():
+    g = torch.Generator().manual_seed(0)
+    w, s = rand_weights(g, 3, 32, 128)
+    a = torch.randn(4, 128, generator=g)
+    ids = torch.tensor([[0, 2], [1, -1], [2, 0], [1, 2]], dtype=torch.int32)
+    _raises(ValueError, r"exactly one of .*got expert_offsets and topk_ids", a, w, s, topk_ids=ids,
+            expert_offsets=torch.tensor([0, 2, 2, 4], dtype=torch.int32))
+    _raises(ValueError, r"expert_counts is only for the contiguous layout .*not with topk_ids", a,
+            w, s, topk_ids=ids, expert_counts=torch.zeros(3, dtype=torch.int32))
+    _raises(TypeError, r"topk_ids must have dtype int32", a, w, s, topk_ids=ids.long())
+    _raises(ValueError, r"a must have one row per token \(\[4, K\]\) or per slot \(\[8, K\]\)",
+            torch.randn(5, 128), w, s, topk_ids=ids)
+    for bad, rng in ((3, r"\[-1, 3\]"), (-2, r"\[-2, 2\]")):
+        ids_bad = ids.clone()
+        ids_bad[2, 1] = bad
+        _raises(ValueError, r"topk_ids values must be in \[0, E = 3\) or -1, got range " + rng,
+                a, w, s, topk_ids=ids_bad)
+    from zeroinfer.ops import moe_combine
+
+    o = torch.randn(8, 16)
+    wt = torch.rand(4, 2)
+    with pytest.raises(ValueError, match=r"pass token_row .* or, for the routed layout.*got both"):
+        moe_combine(o, ids, wt, topk_ids=ids)
+    with pytest.raises(ValueError, match=r"got neither"):
+        moe_combine(o, None, wt)
+    with pytest.raises(ValueError, match=r"expert_out must have T\*k = 8 rows .*got 7"):
+        moe_combine(o[:7], None, wt, topk_ids=ids)
+
+
 # ----------------------------------------------------------------------------- bad inputs
 def _good(gen=None, *, masked=False, dtype=torch.float32, E=3, N=32, K=128, M=6, cap=4):
     g = gen or torch.Generator().manual_seed(0)
@@ -603,8 +732,9 @@ def test_mixed_devices():
 def test_layout_selection():
     a, w, s, kw = _good()
     both = dict(kw, masked_m=torch.zeros(3, dtype=torch.int32))
-    _raises(ValueError, r"exactly one of expert_offsets .* or masked_m .*got both", a, w, s, **both)
-    _raises(ValueError, r"exactly one of expert_offsets .* or masked_m .*got neither", a, w, s)
+    _raises(ValueError, r"exactly one of expert_offsets .*, masked_m .* or topk_ids .*got "
+            r"expert_offsets and masked_m", a, w, s, **both)
+    _raises(ValueError, r"exactly one of expert_offsets .* or topk_ids .*got none", a, w, s)
     a3, w3, s3, kw3 = _good(masked=True)
     _raises(ValueError, r"expert_counts is only for the contiguous layout", a3, w3, s3, **kw3,
             expert_counts=torch.zeros(3, dtype=torch.int32))

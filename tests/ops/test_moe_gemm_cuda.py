@@ -1018,3 +1018,180 @@ def test_cuda_large_problem_smoke(gen):
     own = ~torch.isnan(ref)
     rel = float((got[own] - ref[own]).norm() / ref[own].norm())
     assert rel < 1e-2 and not math.isnan(rel), f"relative error {rel:.3g}"
+
+
+# ============================================================ the routed layout (topk_ids)
+def test_cuda_plan_routed():
+    """The routed layout runs the decode tiles alone: tiny below 4 rows an expert on average,
+    with a small-tile launch for experts of >= 9 rows from 64 rows in all; small as the base
+    above; a requested tile (1 or 3) runs all."""
+    def plan(m, E=256, requested=0):
+        return tuple(tuple(t) for t in _C.mxfp4_cuda_plan(
+            fp8=False, masked=False, m=m, num_experts=E, cap=0, requested=requested, routed=True))
+    assert plan(6) == ((3, 0),)
+    assert plan(63) == ((3, 0),)
+    assert plan(64) == ((3, 0), (1, 9))
+    assert plan(256) == ((3, 0), (1, 9))   # the wgmma tier of the dispatch path is not used
+    assert plan(256, E=8) == ((1, 0),)
+    assert plan(30, requested=1) == ((1, 0),)
+    assert _C.MXFP4_ROUTED_MAX_ROWS == 256
+
+
+def make_routed_case(gen, *, T, k, E, N, K, mode, per_slot=False, ids=None):
+    """A case dict like make_case's for the routed layout (bf16: the CUDA kernel's dtype)."""
+    fuse = mode != "plain"
+    w, s = rand_weights(gen, E, N, K)
+    if ids is None:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+        ids = torch.where(torch.rand(T, k, generator=gen) < 0.1, -1, ids).to(torch.int32)
+    layout = {"topk_ids": ids}
+    a, _ = rand_act(gen, (T * k if per_slot else T, K), torch.bfloat16)
+    lim = None
+    if mode == "swiglu_limit" and bool((ids >= 0).any()):
+        a, _, lim = clamp_inputs(gen, a, None, w, s, **layout)
+    return dict(w=w, s=s, a=a, a_scale=None, layout=layout, rows=(T * k,), fuse=fuse, lim=lim)
+
+
+def _dispatch_rows(c):
+    """The same GEMM through moe_dispatch and the contiguous layout on the GPU, its rows put back
+    in (token, slot) order (unrouted slots NaN): what the routed layout must write, bitwise."""
+    from zeroinfer.ops import moe_dispatch
+
+    ids = c["layout"]["topk_ids"]
+    T, k = ids.shape
+    assert c["a"].shape[0] == T, "per-token activations (dispatch gathers a token's row)"
+    d = moe_dispatch(c["a"].to(DEV), ids.to(DEV), c["w"].shape[0])
+    pw = mxfp4_prepack(c["w"].to(DEV), c["s"].to(DEV), fuse_swiglu=c["fuse"])
+    y = mxfp4_grouped_gemm(d.sorted_x, pw, None, expert_offsets=d.expert_offsets,
+                           expert_counts=d.expert_counts, fuse_swiglu=c["fuse"],
+                           swiglu_limit=c["lim"], out_dtype=torch.float32)
+    rows = d.token_row.reshape(-1).long()
+    out = torch.full((T * k, y.shape[1]), float("nan"), device=DEV)
+    live = rows >= 0
+    out[live] = y[rows[live]]
+    return out.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_shape", [0, 1, 3])
+@pytest.mark.parametrize("mode", ["plain", "swiglu", "swiglu_limit"])
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_cuda_routed_matches_reference(gen, tile, tile_shape, mode, per_slot):
+    """Random decode batches (1-42 tokens of top-6 over 64 experts, some slots -1): right against
+    the float64 reference with unrouted rows left poisoned, for each decode tile and the plan,
+    and (per-token activations) bitwise what dispatch + the contiguous layout give."""
+    tile(tile_shape)
+    T = int(torch.randint(1, 43, (1,), generator=gen))
+    c = make_routed_case(gen, T=T, k=6, E=64, N=256, K=384, mode=mode, per_slot=per_slot)
+    what = f"T={T} {mode} per_slot={per_slot} tile={tile_shape}"
+    got = run_cuda(c, out_dtype=torch.float32)
+    check_vs_ref(got, c, torch.float32, what)
+    check_vs_ref(run_cuda(c, out_dtype=torch.bfloat16), c, torch.bfloat16, what)
+    if not per_slot:
+        tile(0)
+        want = _dispatch_rows(c)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["skewed", "single_token", "unrouted", "max_rows",
+                                     "few_experts"])
+def test_cuda_routed_routing(gen, tile, routing):
+    """Skewed (slot j of every token on expert j: 42 rows an expert, over the small tile's 32),
+    one token, every slot -1 (nothing written), the largest m (256 rows), and few experts (the
+    small tile as the base): right, and bitwise across the tiles."""
+    E, k = 32, 6
+    T = {"skewed": 42, "single_token": 1, "unrouted": 9, "max_rows": 42, "few_experts": 40}[routing]
+    ids = None
+    if routing == "skewed":
+        ids = torch.arange(k, dtype=torch.int32).repeat(T, 1)
+    elif routing == "unrouted":
+        ids = torch.full((T, k), -1, dtype=torch.int32)
+    elif routing == "max_rows":
+        T, k = 64, 4  # 256 rows
+    elif routing == "few_experts":
+        E = 8
+    c = make_routed_case(gen, T=T, k=k, E=E, N=128, K=256, mode="swiglu_limit", ids=ids)
+    outs = []
+    for t in (0, 1, 3):
+        tile(t)
+        got = run_cuda(c, out_dtype=torch.float32)
+        check_vs_ref(got, c, torch.float32, f"{routing} tile={t}")
+        outs.append(got.view(torch.int32))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), routing
+    if routing == "unrouted":
+        assert bool(torch.isnan(outs[0].view(torch.float32)).all())
+
+
+@pytest.mark.gpu
+def test_cuda_routed_refuses_what_it_does_not_run(gen):
+    """float8 activations and more than MXFP4_ROUTED_MAX_ROWS rows: a clear error naming the
+    dispatch path."""
+    w, s = rand_weights(gen, 8, 64, 128)
+    ids = torch.zeros(2, 3, dtype=torch.int32, device=DEV)
+    a8 = torch.randn(2, 128, device=DEV).to(FP8)
+    pw8 = mxfp4_prepack(w.to(DEV), s.to(DEV), act_dtype=FP8)
+    with pytest.raises(ValueError, match=r"routed layout .* bfloat16 .*moe_dispatch"):
+        mxfp4_grouped_gemm(a8, pw8, None, a_scale=torch.ones(2, 1, device=DEV), topk_ids=ids)
+    big = torch.zeros(86, 3, dtype=torch.int32, device=DEV)  # 258 rows
+    pw = mxfp4_prepack(w.to(DEV), s.to(DEV))
+    with pytest.raises(ValueError, match=r"T\*k <= 256 rows .*T\*k = 258"):
+        mxfp4_grouped_gemm(torch.randn(86, 128, device=DEV, dtype=torch.bfloat16), pw, None,
+                           topk_ids=big)
+
+
+@pytest.mark.gpu
+def test_cuda_routed_layer_and_graph_replay(gen):
+    """The model's decode MoE without dispatch: gate/up (SwiGLU) and down in the routed layout,
+    then combine by topk_ids; back to back, and as a CUDA graph replayed on new ids and
+    activations, bitwise the synchronised calls and the dispatch path; no host sync."""
+    from zeroinfer.ops import moe_combine, moe_dispatch
+
+    T, k, E, D, inter = 32, 6, 64, 256, 128
+    w1, s1 = rand_weights(gen, E, 2 * inter, D)
+    w2, s2 = rand_weights(gen, E, D, inter)
+    p1 = mxfp4_prepack(w1.to(DEV), s1.to(DEV), fuse_swiglu=True)
+    p2 = mxfp4_prepack(w2.to(DEV), s2.to(DEV))
+
+    def fresh():
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+        x = rand_act(gen, (T, D), torch.bfloat16)[0]
+        return ids.to(DEV), x.to(DEV), torch.rand(T, k, generator=gen).to(DEV)
+
+    def routed(ids, x, wt, sync=False):
+        def done(v):
+            if sync:
+                torch.cuda.synchronize()
+            return v
+        h = done(mxfp4_grouped_gemm(x, p1, None, topk_ids=ids, fuse_swiglu=True, swiglu_limit=3.0))
+        o = done(mxfp4_grouped_gemm(h, p2, None, topk_ids=ids))
+        return done(moe_combine(o, None, wt, topk_ids=ids))
+
+    def dispatched(ids, x, wt):
+        d = moe_dispatch(x, ids, E)
+        seg = dict(expert_offsets=d.expert_offsets, expert_counts=d.expert_counts)
+        h = mxfp4_grouped_gemm(d.sorted_x, p1, None, fuse_swiglu=True, swiglu_limit=3.0, **seg)
+        return moe_combine(mxfp4_grouped_gemm(h, p2, None, **seg), d.token_row, wt)
+
+    ids, x, wt = fresh()
+    want = routed(ids, x, wt, sync=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = routed(ids, x, wt)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "back to back"
+    assert torch.equal(dispatched(ids, x, wt).view(torch.int16), want.view(torch.int16)), \
+        "routed vs dispatch"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = routed(ids, x, wt)
+    for dst, src in zip((ids, x, wt), fresh()):
+        dst.copy_(src)
+    g_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out.view(torch.int16), dispatched(ids, x, wt).view(torch.int16)), \
+        "graph replay"

@@ -40,7 +40,10 @@ struct MoeDispatchParams {
 struct MoeCombineParams {
   const void* expert_out;   // [rows, D] expert outputs in dispatch order
   DType expert_out_dtype;   // float32 | bfloat16
-  const int32_t* token_row; // [T, k] from dispatch
+  // [T, k] from dispatch; with `routed`, the routing ids themselves: expert_out then has T*k rows
+  // in (token, slot) order (mxfp4_grouped_gemm's routed layout), slot (t, j) reads row t*k + j,
+  // or nothing where the id is < 0.
+  const int32_t* token_row;
   const void* weights;      // [T, k] routing weights, weights_dtype
   DType weights_dtype;      // float32 | bfloat16
   int64_t rows;             // rows of expert_out (for bounds checks)
@@ -49,6 +52,7 @@ struct MoeCombineParams {
   int64_t topk;             // k
   void* out;                // [T, D] out_dtype
   DType out_dtype;          // float32 | bfloat16
+  bool routed = false;
 };
 
 int64_t moe_dispatch_capacity(int64_t num_tokens, int64_t topk, int64_t num_experts, int64_t tile);

@@ -5,6 +5,9 @@
 // gate ‖ up halves of N. The rows of A that belong to expert e come in one of two layouts:
 //   contiguous: A [m, k], expert e owns rows [offsets[e], offsets[e] + count_e)  (moe_dispatch)
 //   masked:     A [E, cap, k], expert e owns rows [0, masked_m[e]) of A[e]  (per-expert capacity)
+//   routed:     out row i (of m) takes expert route_ids[i] and A row i / route_div: the router's
+//               top-k ids [T, k] read directly, no dispatch (decode; A [T, k] rows with
+//               route_div = k, or [T*k] rows with route_div = 1)
 // Output rows that belong to no expert are never written.
 //
 // W4A8 (float8 activations, k a multiple of 128): the weights take part as e4m3 with the UE8M0
@@ -49,13 +52,18 @@ struct Mxfp4GemmParams {
   // Masked layout: int32 [num_experts], 0 <= masked_m[e] <= cap valid rows of A[e]. Must be nullptr
   // in the contiguous layout.
   const int32_t* masked_m = nullptr;
+  // Routed layout (expert_offsets and masked_m nullptr): int32 [m], the expert of output row i
+  // (a value outside [0, num_experts), e.g. -1 for an expert on another rank: row i is not
+  // written); its activations are row i / route_div of A (A has m / route_div rows).
+  const int32_t* route_ids = nullptr;
+  int64_t route_div = 1;
   // Output, row-major, dtype out_dtype: [m, n_out] (contiguous) or [num_experts, cap, n_out]
   // (masked), n_out = fuse_swiglu ? n/2 : n. Only rows owned by an expert are written.
   void* out = nullptr;
   // kFloat32 or kBFloat16 (rounded to nearest even).
   DType out_dtype = DType::kFloat32;
   int64_t num_experts = 0;  // E >= 1: leading dim of w, w_scale, masked_m/counts, offsets (E+1)
-  int64_t m = 0;            // contiguous layout: rows of a and out; ignored in the masked layout
+  int64_t m = 0;            // contiguous layout: rows of a and out; routed: rows of out
   int64_t cap = 0;          // masked layout: rows per expert in a and out; ignored if contiguous
   int64_t n = 0;            // weight rows per expert (even with fuse_swiglu: gate, then up rows)
   int64_t k = 0;            // reduction length: a multiple of 32 (of 128 for float8 activations)
@@ -146,6 +154,13 @@ struct Mxfp4CudaGemmParams {
   const int32_t* expert_offsets = nullptr;  // as in Mxfp4GemmParams (read on the device)
   const int32_t* expert_counts = nullptr;
   const int32_t* masked_m = nullptr;
+  // Routed layout as in Mxfp4GemmParams: bf16 activations, m <= kMxfp4RoutedMaxRows, the decode
+  // tiles only (1, 3). Every CTA reads the ids and builds the same stable (row order) expert
+  // sort in shared memory that moe_dispatch would write out, so no dispatch launch precedes the
+  // GEMM: at batch-1 decode that launch is ~9 us of a ~52 us MoE layer (H100,
+  // dispatch_combine_NOTES.md session 26).
+  const int32_t* route_ids = nullptr;
+  int64_t route_div = 1;
   void* out = nullptr;
   DType out_dtype = DType::kBFloat16;
   int64_t num_experts = 0;
@@ -202,11 +217,25 @@ struct Mxfp4CudaPlan {
   int64_t from_rows[kMaxLaunches] = {0, 0, 0, 0};
 };
 
+// The routed layout's largest m (its row map lives in every CTA's shared memory, 2 bytes a row,
+// and one warp walks the ids 32 at a time): 42 tokens of top-6 routing.
+constexpr int64_t kMxfp4RoutedMaxRows = 256;
+
+// routed: the routed layout, which the decode tiles (tiny, small) run alone.
 inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t num_experts,
-                                     int64_t cap, int requested) {
+                                     int64_t cap, int requested, bool routed = false) {
   Mxfp4CudaPlan plan;
   if (requested != 0) {
     plan.tile[0] = requested;
+    return plan;
+  }
+  if (routed) {  // tiny, plus small for experts of >= 9 rows where m allows one
+    plan.tile[0] = m / (num_experts > 0 ? num_experts : 1) < 4 ? 3 : 1;
+    if (plan.tile[0] == 3 && m >= 64) {
+      plan.tile[1] = 1;
+      plan.from_rows[1] = 9;
+      plan.launches = 2;
+    }
     return plan;
   }
   constexpr int64_t kSmallRows = 9;  // the tiny tile holds 8 tokens

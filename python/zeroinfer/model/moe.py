@@ -1,6 +1,7 @@
 """V4 MoE block: a router (learned top-k with a selection-only bias, or a frozen token-id hash),
 MXFP4 routed experts through zeroinfer.ops (dispatch -> grouped GEMM with fused clamped SwiGLU
--> grouped GEMM -> weighted combine), and one always-on shared expert."""
+-> grouped GEMM -> weighted combine; small batches skip the dispatch: the GEMMs take the ids),
+and one always-on shared expert."""
 
 from __future__ import annotations
 
@@ -90,13 +91,20 @@ class MoE(nn.Module):
         c, ex, sh = self.config, self.experts, self.shared_experts
         lam = c.swiglu_limit
         ids, w = self.gate(y, input_ids)
-        d = ops.moe_dispatch(y.contiguous(), ids, c.n_routed_experts)
-        seg = dict(expert_offsets=d.expert_offsets, expert_counts=d.expert_counts, out_dtype=y.dtype)
         pk = ex.packed() if y.dtype == torch.bfloat16 else None  # CUDA: prepacked once
         w1, s1 = (pk[0], None) if pk else (ex.gate_up_blocks, ex.gate_up_scales)
         w2, s2 = (pk[1], None) if pk else (ex.down_blocks, ex.down_scales)
-        h = ops.mxfp4_grouped_gemm(d.sorted_x, w1, s1, fuse_swiglu=True, swiglu_limit=lam, **seg)
-        o = ops.mxfp4_grouped_gemm(h, w2, s2, **seg)
-        routed = ops.moe_combine(o, d.token_row, w, out_dtype=y.dtype)
+        if ids.numel() <= ops.MXFP4_ROUTED_MAX_ROWS:
+            # Decode: the GEMMs read the ids and sort them themselves (the routed layout, rows
+            # in (token, slot) order), so no dispatch launch precedes them; the same results.
+            x, seg, rows = y.contiguous(), dict(topk_ids=ids), dict(token_row=None, topk_ids=ids)
+        else:
+            d = ops.moe_dispatch(y.contiguous(), ids, c.n_routed_experts)
+            x, rows = d.sorted_x, dict(token_row=d.token_row)
+            seg = dict(expert_offsets=d.expert_offsets, expert_counts=d.expert_counts)
+        h = ops.mxfp4_grouped_gemm(x, w1, s1, fuse_swiglu=True, swiglu_limit=lam,
+                                   out_dtype=y.dtype, **seg)
+        o = ops.mxfp4_grouped_gemm(h, w2, s2, out_dtype=y.dtype, **seg)
+        routed = ops.moe_combine(o, topk_weights=w, out_dtype=y.dtype, **rows)
         shared = sh.down_proj(F.silu(sh.gate_proj(y).clamp(max=lam)) * sh.up_proj(y).clamp(-lam, lam))
         return routed + shared

@@ -109,9 +109,10 @@ def moe_dispatch(
 
 def moe_combine(
     expert_out: torch.Tensor,
-    token_row: torch.Tensor,
+    token_row: torch.Tensor | None,
     topk_weights: torch.Tensor,
     *,
+    topk_ids: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -121,20 +122,35 @@ def moe_combine(
     expert_out: [rows, D] float32 | bfloat16 in dispatch order. token_row: [T, k] int32 from
     moe_dispatch (-1 adds nothing). topk_weights: [T, k] float32 | bfloat16. Returns [T, D] in
     out_dtype (default: expert_out's dtype).
+
+    Routed layout (``mxfp4_grouped_gemm(..., topk_ids=...)``, no dispatch): token_row None and
+    topk_ids the routing ids [T, k] int32; expert_out has T*k rows in (token, slot) order, so
+    slot (t, j) reads row t*k + j, and nothing where topk_ids[t, j] is -1.
     """
     op = "moe_combine"
     check_tensor(op, "expert_out", expert_out, dtypes=(torch.float32, torch.bfloat16), ndim=2)
     dev = expert_out.device
-    check_tensor(op, "token_row", token_row, dtypes=(torch.int32,), ndim=2, device=dev)
-    num_tokens, topk = token_row.shape
+    if (token_row is None) == (topk_ids is None):
+        raise ValueError(f"{op}: pass token_row (from moe_dispatch) or, for the routed layout, "
+                         "token_row=None and topk_ids; got "
+                         + ("both" if topk_ids is not None else "neither"))
+    routed = topk_ids is not None
+    rows_of = topk_ids if routed else token_row
+    name = "topk_ids" if routed else "token_row"
+    check_tensor(op, name, rows_of, dtypes=(torch.int32,), ndim=2, device=dev)
+    num_tokens, topk = rows_of.shape
     check_tensor(op, "topk_weights", topk_weights, dtypes=(torch.float32, torch.bfloat16),
                  shape=(num_tokens, topk), device=dev)
     rows, hidden = expert_out.shape
+    if routed and rows != num_tokens * topk:
+        raise ValueError(f"{op}: in the routed layout expert_out must have T*k = "
+                         f"{num_tokens * topk} rows (one a slot of topk_ids "
+                         f"{tuple(topk_ids.shape)}), got {rows}")
     out_dtype = out_dtype or expert_out.dtype
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{op}: out_dtype must be float32 or bfloat16, got {out_dtype}")
     cuda = use_cuda(dev, op)
-    if not cuda and token_row.numel():
+    if not cuda and not routed and token_row.numel():
         lo, hi = int(token_row.min()), int(token_row.max())
         if lo < -1 or hi >= rows:
             raise ValueError(f"{op}: token_row values must be in [0, rows of expert_out={rows}) "
@@ -144,7 +160,7 @@ def moe_combine(
     else:
         check_tensor(op, "out", out, dtypes=(out_dtype,), shape=(num_tokens, hidden), device=dev)
         check_no_alias(op, {"out": out}, {"expert_out": expert_out, "topk_weights": topk_weights})
-    _C.moe_combine(cuda, ptr(expert_out), dtype_code(expert_out), ptr(token_row),
+    _C.moe_combine(cuda, ptr(expert_out), dtype_code(expert_out), ptr(rows_of),
                    ptr(topk_weights), dtype_code(topk_weights), rows, num_tokens, hidden, topk,
-                   ptr(out), dtype_code(out), stream_of(dev))
+                   ptr(out), dtype_code(out), routed, stream_of(dev))
     return out

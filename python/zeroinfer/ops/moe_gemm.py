@@ -30,6 +30,9 @@ def _name(d: torch.dtype) -> str:
 
 
 _INT32_LIMIT = 2**31
+# The CUDA kernel's largest routed layout (topk_ids) in rows, T*k: larger batches go through
+# moe_dispatch and the contiguous layout.
+MXFP4_ROUTED_MAX_ROWS: int = _C.MXFP4_ROUTED_MAX_ROWS
 # Tile shape of the CUDA kernel: 0 = planned from the shapes (_C.mxfp4_cuda_plan), 1 = small-M
 # (32 tokens), 2 = wide (bf16: 128-token wgmma tile; float8: 256-token warp-specialised tile),
 # 3 = tiny-M (decode, <= 8 rows per expert per tile), 4 = wgmma (64-token tile). Tests set it to
@@ -391,10 +394,10 @@ def mxfp4_act_scale_mn_major(a_scale: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_rows, cap, k,
-                 fuse, limit) -> None:
+                 fuse, limit, route_ids=None, route_div=1) -> None:
     dev = a.device
     launches = _C.mxfp4_cuda_plan(a.dtype == _FP8, masked_m is not None, m_rows, num_experts,
-                                  cap, _FORCE_TILE)
+                                  cap, _FORCE_TILE, route_ids is not None)
     # The bf16 wgmma tiles (4, 2) read their own copy of the activations in k-slot order
     # (contiguous, so 16-byte aligned rows); the e4m3 ones read `a` as it is.
     wgmma = any(tile in (2, 4) for tile, _ in launches)
@@ -409,9 +412,9 @@ def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_
             ptr(a_kslot), s_row, s_k)
     if dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
-            _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev))
+            _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev), ptr(route_ids), route_div)
     else:
-        _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev))
+        _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev), ptr(route_ids), route_div)
 
 
 def mxfp4_grouped_gemm(
@@ -422,6 +425,7 @@ def mxfp4_grouped_gemm(
     expert_offsets: torch.Tensor | None = None,
     expert_counts: torch.Tensor | None = None,
     masked_m: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
     a_scale: torch.Tensor | None = None,
     fuse_swiglu: bool = False,
     swiglu_limit: float | None = None,
@@ -433,8 +437,9 @@ def mxfp4_grouped_gemm(
 
     Args:
         a: activations, float32 / bfloat16 / float8_e4m3fn (W4A8). Contiguous layout ``[M, K]``
-            (rows sorted by expert) or masked layout ``[E, cap, K]``. K must be a multiple of 32
-            (of 128 for float8).
+            (rows sorted by expert), masked layout ``[E, cap, K]``, or routed layout ``[T, K]``
+            (each token's row serves its k slots) or ``[T*k, K]`` (one row a slot). K must be a
+            multiple of 32 (of 128 for float8).
         w: packed e2m1 weights ``[E, N, K/2]`` uint8 or int8 (raw bytes; byte j holds element 2j in
             its low nibble, 2j+1 in its high nibble) -- or an ``Mxfp4PackedWeights`` from
             ``mxfp4_prepack`` (then ``w_scale`` must be None). The CUDA kernel needs the packed
@@ -447,6 +452,13 @@ def mxfp4_grouped_gemm(
             ``[offsets[e], offsets[e] + counts[e])`` (default: the whole segment).
         masked_m: masked layout: int32 ``[E]`` in ``[0, cap]``: expert e owns rows
             ``[0, masked_m[e])`` of ``a[e]``.
+        topk_ids: routed layout: the router's int32 ``[T, k]`` expert ids in ``[0, E)`` or -1
+            (an expert elsewhere, e.g. on another rank). Output row ``t*k + j`` is expert
+            ``topk_ids[t, j]`` applied to row t of a ``[T, K]`` (or row ``t*k + j`` of a
+            ``[T*k, K]``); rows of -1 are not written. No ``moe_dispatch`` is needed: the CUDA
+            kernel sorts the ids itself (each CTA, in shared memory) -- the decode path, for
+            bfloat16 activations and ``T*k <= MXFP4_ROUTED_MAX_ROWS`` (256) on CUDA; any size
+            and dtype on CPU. ``moe_combine(out, None, weights, topk_ids=topk_ids)`` sums it.
         a_scale: float8 activations only: float32 per-token scales ``[M, K/128]`` /
             ``[E, cap, K/128]``; ``a_real = a * a_scale[row, k // 128]``. Any strides: the
             CUDA prefill tile is fastest with token-contiguous ("MN-major") scales, i.e. the
@@ -467,9 +479,9 @@ def mxfp4_grouped_gemm(
             safe, but bad routing gives meaningless rows).
 
     Returns:
-        ``[M, N_out]`` (contiguous) or ``[E, cap, N_out]`` (masked), ``N_out = N/2`` with
-        ``fuse_swiglu`` else ``N``. Rows owned by no expert are NOT written (in a fresh output they
-        are uninitialised).
+        ``[M, N_out]`` (contiguous), ``[E, cap, N_out]`` (masked) or ``[T*k, N_out]`` (routed),
+        ``N_out = N/2`` with ``fuse_swiglu`` else ``N``. Rows owned by no expert are NOT written
+        (in a fresh output they are uninitialised).
 
     CUDA: bfloat16 / float8 activations run the sm_90a kernel with no host synchronisation
     (launchable back to back); float32 activations run the interim torch path (slow). The
@@ -482,14 +494,17 @@ def mxfp4_grouped_gemm(
     if device.type != "cuda":
         use_cuda(device, op)  # raises for anything but cpu / cuda
 
-    if (expert_offsets is None) == (masked_m is None):
-        raise ValueError(f"{op}: pass exactly one of expert_offsets (contiguous layout, a [M, K]) "
-                         "or masked_m (masked layout, a [E, cap, K]); got "
-                         + ("both" if masked_m is not None else "neither"))
-    masked = masked_m is not None
-    if masked and expert_counts is not None:
+    given = [name for name, v in (("expert_offsets", expert_offsets), ("masked_m", masked_m),
+                                  ("topk_ids", topk_ids)) if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"{op}: pass exactly one of expert_offsets (contiguous layout, a [M, K]), "
+                         "masked_m (masked layout, a [E, cap, K]) or topk_ids (routed layout, a "
+                         "[T, K] or [T*k, K]); got " + (" and ".join(given) or "none"))
+    masked, routed = masked_m is not None, topk_ids is not None
+    route_div = 1  # routed layout: activation row = output row // route_div
+    if expert_counts is not None and expert_offsets is None:
         raise ValueError(f"{op}: expert_counts is only for the contiguous layout (expert_offsets), "
-                         "not with masked_m")
+                         f"not with {given[0]}")
 
     check_tensor(op, "a", a, dtypes=_ACT_DTYPES, ndim=3 if masked else 2, device=device)
     k = a.shape[-1]
@@ -529,6 +544,15 @@ def mxfp4_grouped_gemm(
             raise ValueError(f"{op}: a must have shape [E, cap, K] with E = {num_experts} "
                              f"(w.shape[0]) in the masked layout, got {tuple(a.shape)}")
         m_rows, cap = 0, a.shape[1]
+    elif routed:
+        check_tensor(op, "topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, device=device)
+        num_tokens, topk = topk_ids.shape
+        m_rows, cap = num_tokens * topk, 0
+        if a.shape[0] not in (num_tokens, m_rows):
+            raise ValueError(f"{op}: in the routed layout a must have one row per token "
+                             f"([{num_tokens}, K]) or per slot ([{m_rows}, K]) of topk_ids "
+                             f"{tuple(topk_ids.shape)}, got {tuple(a.shape)}")
+        route_div = topk if a.shape[0] == num_tokens else 1
     else:
         check_tensor(op, "expert_offsets", expert_offsets, dtypes=(torch.int32,),
                      shape=(num_experts + 1,), device=device)
@@ -582,8 +606,8 @@ def mxfp4_grouped_gemm(
         if out.numel() > 0:
             inputs = {"a": a, "w": w.data if packed else w, "w_scale": w_scale,
                       "w.row_base": w.row_base if packed else None,
-                      "expert_offsets": expert_offsets,
-                      "expert_counts": expert_counts, "masked_m": masked_m, "a_scale": a_scale}
+                      "expert_offsets": expert_offsets, "expert_counts": expert_counts,
+                      "masked_m": masked_m, "topk_ids": topk_ids, "a_scale": a_scale}
             check_no_alias(op, {"out": out},
                            {k_: v for k_, v in inputs.items() if v is not None and v.numel() > 0})
     else:
@@ -592,7 +616,13 @@ def mxfp4_grouped_gemm(
     if check is not None and not isinstance(check, bool):
         raise TypeError(f"{op}: check must be a bool or None, got {type(check).__name__}")
     on_cuda = device.type == "cuda"
-    if not on_cuda or check:
+    if routed:
+        if (not on_cuda or check) and topk_ids.numel():
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < -1 or hi >= num_experts:
+                raise ValueError(f"{op}: topk_ids values must be in [0, E = {num_experts}) or -1, "
+                                 f"got range [{lo}, {hi}]")
+    elif not on_cuda or check:
         _check_values(num_experts, m_rows, cap, expert_offsets, expert_counts, masked_m)
 
     rows = num_experts * cap if masked else m_rows
@@ -605,13 +635,21 @@ def mxfp4_grouped_gemm(
             # Interim torch path: float32 activations (no float32 tensor-core kernel) or more
             # experts than the kernel's shared-memory schedule holds.
             wr, sr = mxfp4_unpack(w) if packed else (w, w_scale)
-            _interim_cuda(a, wr, sr, expert_offsets, expert_counts, masked_m, a_scale,
-                          fuse_swiglu, swiglu_limit, out)
+            if routed:
+                _interim_routed_cuda(a, wr, sr, topk_ids, a_scale, fuse_swiglu, swiglu_limit, out)
+            else:
+                _interim_cuda(a, wr, sr, expert_offsets, expert_counts, masked_m, a_scale,
+                              fuse_swiglu, swiglu_limit, out)
             return out
+        if routed and (a.dtype != torch.bfloat16 or m_rows > _C.MXFP4_ROUTED_MAX_ROWS):
+            raise ValueError(f"{op}: the CUDA kernel's routed layout (topk_ids) takes bfloat16 "
+                             f"activations and T*k <= {_C.MXFP4_ROUTED_MAX_ROWS} rows (the "
+                             f"decode path), got {_name(a.dtype)} and T*k = {m_rows}; use "
+                             "moe_dispatch and the contiguous layout (expert_offsets)")
         pw = w if packed else mxfp4_prepack(w, w_scale, fuse_swiglu=fuse_swiglu,
                                             act_dtype=a.dtype, check_scales=False)
         _launch_cuda(a, pw, a_scale, expert_offsets, expert_counts, masked_m, out, num_experts,
-                     m_rows, cap, k, fuse_swiglu, swiglu_limit)
+                     m_rows, cap, k, fuse_swiglu, swiglu_limit, topk_ids, route_div)
         return out
 
     if packed:
@@ -621,7 +659,7 @@ def mxfp4_grouped_gemm(
     _C.mxfp4_grouped_gemm_cpu(
         ptr(a), dtype_code(a), ptr(a_scale), ptr(w), ptr(w_scale), ptr(expert_offsets),
         ptr(expert_counts), ptr(masked_m), ptr(out), dtype_code(out), num_experts, m_rows, cap,
-        n, k, fuse_swiglu, swiglu_limit)
+        n, k, fuse_swiglu, swiglu_limit, ptr(topk_ids), route_div)
     return out
 
 
@@ -665,7 +703,8 @@ def _check_values(num_experts: int, m_rows: int, cap: int, offsets: torch.Tensor
 # INTERIM CUDA PATH: plain torch, until the Hopper MXFP4 kernel lands (a later issue). It
 # dequantizes each needed expert to float32, multiplies in float32 (float32 accumulation like the
 # kernel, and the SwiGLU sees unrounded float32 values) and writes only the owned rows.
-#   * contiguous layout: no host sync either (see _interim_cuda), at E times the FLOPs;
+#   * contiguous and routed layouts: no host sync either (_each_expert_where), at E times the
+#     FLOPs;
 #   * masked layout: no host sync: experts are processed in fixed-size chunks with a batched
 #     matmul, and rows >= masked_m[e] keep their old contents through torch.where.
 # --------------------------------------------------------------------------------------------
@@ -711,6 +750,24 @@ def _swiglu(y: torch.Tensor, fuse: bool, limit: float | None) -> torch.Tensor:
     return torch.nn.functional.silu(g) * u
 
 
+def _each_expert_where(x, w, w_scale, owns, fuse, limit, out) -> None:
+    """Without a host sync (the engine launches rounds without waiting): every expert multiplies
+    all rows of x and torch.where keeps the output rows owns(e) marks (a bool [rows] mask). E
+    times the FLOPs of the real kernel: fine for the small models the interim path serves, not
+    for V4-Flash."""
+    for e in range(w.shape[0]):
+        y = _swiglu(x @ _dequant_torch(w[e], w_scale[e]).T, fuse, limit)
+        out.copy_(torch.where(owns(e)[:, None], y.to(out.dtype), out))
+
+
+def _interim_routed_cuda(a, w, w_scale, topk_ids, a_scale, fuse, limit, out) -> None:
+    ids = topk_ids.reshape(-1)
+    x = _act_f32(a, a_scale)
+    if x.shape[0] != ids.shape[0]:  # a [T, K]: each token's row serves its k slots
+        x = x.repeat_interleave(topk_ids.shape[1], dim=0)
+    _each_expert_where(x, w, w_scale, lambda e: ids == e, fuse, limit, out)
+
+
 def _interim_cuda(a, w, w_scale, offsets, counts, masked_m, a_scale, fuse, limit, out) -> None:
     if masked_m is not None:
         num_experts, cap, k = a.shape
@@ -726,15 +783,9 @@ def _interim_cuda(a, w, w_scale, offsets, counts, masked_m, a_scale, fuse, limit
             keep = (rows[None, :] < masked_m[e0:e1, None])[..., None]
             out[e0:e1] = torch.where(keep, y.to(out.dtype), out[e0:e1])
         return
-    # Contiguous layout without a host sync (the engine launches rounds without waiting): every
-    # expert multiplies all M rows and torch.where keeps the rows it owns. E times the FLOPs of
-    # the real kernel: fine for the small models the interim path serves, not for V4-Flash.
-    m_rows = a.shape[0]
-    rows = torch.arange(m_rows, device=a.device)
+    # Contiguous layout: expert e owns rows [start[e], end[e]).
+    rows = torch.arange(a.shape[0], device=a.device)
     start = offsets[:-1]
     end = start + (counts if counts is not None else offsets[1:] - offsets[:-1])
-    x = _act_f32(a, a_scale)
-    for e in range(w.shape[0]):
-        own = ((rows >= start[e]) & (rows < end[e]))[:, None]
-        y = _swiglu(x @ _dequant_torch(w[e], w_scale[e]).T, fuse, limit)
-        out.copy_(torch.where(own, y.to(out.dtype), out))
+    _each_expert_where(_act_f32(a, a_scale), w, w_scale,
+                       lambda e: (rows >= start[e]) & (rows < end[e]), fuse, limit, out)

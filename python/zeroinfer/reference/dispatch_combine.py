@@ -36,10 +36,16 @@ def moe_dispatch_ref(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, 
             offsets.to(i32))
 
 
-def moe_combine_ref(expert_out: torch.Tensor, token_row: torch.Tensor,
-                    topk_weights: torch.Tensor) -> torch.Tensor:
-    """float64 [T, D]: sum over slots of weight * expert row (-1 rows skipped)."""
+def moe_combine_ref(expert_out: torch.Tensor, token_row: torch.Tensor | None,
+                    topk_weights: torch.Tensor, *, topk_ids: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """float64 [T, D]: sum over slots of weight * expert row (-1 rows skipped). Routed layout
+    (token_row None): slot (t, j) is row t*k + j, skipped where topk_ids[t, j] < 0."""
     eo = expert_out.cpu().double()
+    if topk_ids is not None:
+        ids = topk_ids.cpu().long()
+        slot = torch.arange(ids.numel()).reshape(ids.shape)
+        token_row = torch.where(ids >= 0, slot, -1)
     rows = token_row.cpu().long()
     w = topk_weights.cpu().double()
     out = torch.zeros(rows.shape[0], eo.shape[1], dtype=torch.float64)

@@ -70,14 +70,26 @@ def _epilogue(y: torch.Tensor, fuse_swiglu: bool, swiglu_limit: float | None) ->
 
 
 def mxfp4_grouped_gemm_ref(a, w, w_scale, *, expert_offsets=None, expert_counts=None,
-                           masked_m=None, a_scale=None, fuse_swiglu=False, swiglu_limit=None,
-                           initial=None) -> torch.Tensor:
-    """Same arguments as the op (no validation). Returns float64 ``[M, N_out]`` (contiguous) or
-    ``[E, cap, N_out]`` (masked). Rows the op does not write hold ``initial`` (converted to
-    float64) when given, else NaN."""
+                           masked_m=None, topk_ids=None, a_scale=None, fuse_swiglu=False,
+                           swiglu_limit=None, initial=None) -> torch.Tensor:
+    """Same arguments as the op (no validation). Returns float64 ``[M, N_out]`` (contiguous),
+    ``[E, cap, N_out]`` (masked) or ``[T*k, N_out]`` (routed). Rows the op does not write hold
+    ``initial`` (converted to float64) when given, else NaN."""
     n = w.shape[1]
     n_out = n // 2 if fuse_swiglu else n
     x = _act_f64(a, a_scale)
+    if topk_ids is not None:  # routed: output row i = t*k + j, one expert per row
+        ids = topk_ids.reshape(-1).tolist()
+        div = topk_ids.shape[1] if x.shape[0] != len(ids) else 1
+        out = (initial.to(torch.float64).clone() if initial is not None else
+               torch.full((len(ids), n_out), float("nan"), dtype=torch.float64, device=a.device))
+        deq = (dequantize_expert_w4a8_f64 if a.dtype == torch.float8_e4m3fn
+               else dequantize_expert_f64)
+        for e in sorted({e for e in ids if e >= 0}):
+            wd = deq(w[e], w_scale[e])
+            for i in (i for i, v in enumerate(ids) if v == e):
+                out[i] = _epilogue(x[i // div] @ wd.T, fuse_swiglu, swiglu_limit)
+        return out
     shape = (*x.shape[:-1], n_out)
     if initial is not None:
         out = initial.to(torch.float64).clone()
