@@ -63,4 +63,8 @@ if has engine; then
   python3 -m zeroinfer bench --device cuda --batch-sizes "${ZI_ENGINE_BATCHES:-1,8,32,64,128,256}" \
     --output-len 32 --out-dir "$OUT" 2>&1 | tee -a "$OUT/bench.log" | tail -25
 fi
-tar czf "$OUT/results.tgz" -C "$OUT" "$MACHINE" && rm -r "${OUT:?}/$MACHINE"
+# Pack this run's JSON (only when a step that writes some ran: a build-only call, as the device
+# scripts make before their own benchmarks, must leave an earlier benchmark's files in place).
+if has tests || has bench || has engine; then
+  tar czf "$OUT/results.tgz" -C "$OUT" "$MACHINE" && rm -r "${OUT:?}/$MACHINE"
+fi
