@@ -229,16 +229,21 @@ inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t n
     plan.tile[0] = requested;
     return plan;
   }
-  if (routed) {  // tiny, plus small for experts of >= 9 rows where m allows one
-    plan.tile[0] = m / (num_experts > 0 ? num_experts : 1) < 4 ? 3 : 1;
-    if (plan.tile[0] == 3 && m >= 64) {
+  constexpr int64_t kSmallRows = 9;     // the tiny tile holds 8 tokens
+  constexpr int64_t kSmallMinM = 64;    // fewest rows in all for a small-tile tier launch
+  constexpr int64_t kTinyBaseAvg = 4;   // the base tile is tiny below this many rows an expert
+  // The base tile from the average over all E experts (tiny below 4: at 4 most active experts
+  // hold <= 8 rows).
+  const int64_t avg = m / (num_experts > 0 ? num_experts : 1);
+  if (routed) {  // tiny, plus small for experts of >= kSmallRows rows where m allows one
+    plan.tile[0] = avg < kTinyBaseAvg ? 3 : 1;
+    if (plan.tile[0] == 3 && m >= kSmallMinM) {
       plan.tile[1] = 1;
-      plan.from_rows[1] = 9;
+      plan.from_rows[1] = kSmallRows;
       plan.launches = 2;
     }
     return plan;
   }
-  constexpr int64_t kSmallRows = 9;  // the tiny tile holds 8 tokens
   const int64_t wgmma_rows = fp8 ? 32 : 33;
   const int64_t wide_rows = fp8 ? 129 : 65;
   const int64_t wide_min_m = fp8 ? 1024 : 512;
@@ -249,7 +254,7 @@ inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t n
     int tile;
     int64_t min_m;
   };
-  const Tier tiers[4] = {{0, 3, 0}, {kSmallRows, 1, 64}, {wgmma_rows, 4, 256},
+  const Tier tiers[4] = {{0, 3, 0}, {kSmallRows, 1, kSmallMinM}, {wgmma_rows, 4, 256},
                          {wide_rows, 2, wide_min_m}};
   auto tier_of = [&](int64_t rows) {
     int i = 0;
@@ -260,10 +265,8 @@ inline Mxfp4CudaPlan mxfp4_cuda_plan(bool fp8, bool masked, int64_t m, int64_t n
     plan.tile[0] = tiers[tier_of(cap)].tile;
     return plan;
   }
-  // The base tile from the average over all E experts (tiny below 4: at 4 most active experts
-  // hold <= 8 rows), then a launch for each higher tier some expert can reach.
-  const int64_t avg = m / (num_experts > 0 ? num_experts : 1);
-  const int base = avg < 4 ? 0 : std::max(1, tier_of(avg));
+  // The base tile from the average, then a launch for each higher tier some expert can reach.
+  const int base = avg < kTinyBaseAvg ? 0 : std::max(1, tier_of(avg));
   plan.tile[0] = tiers[base].tile;
   for (int i = base + 1; i < 4; ++i) {
     if (m < tiers[i].from || m < tiers[i].min_m) continue;
