@@ -128,5 +128,23 @@ for T, k, tiles in [(1, 6, (0, 1, 3)), (42, 6, (0, 1, 3)), (7, 3, (3,))]:
         moe_combine(o, None, torch.rand(T, k, generator=gen).cuda(), topk_ids=ids)
 _mg._FORCE_TILE = 0
 
+# The six-expert decode plan: the tiny base tile and the small tier (SmallCfg, experts of >= 9
+# rows, which no forced tile above runs: a forced tile 1 is the small base tile), contiguous and
+# routed.
+E2 = 64
+w2 = torch.randint(0, 256, (E2, N, K // 2), generator=gen, dtype=torch.uint8).cuda()
+s2 = torch.randint(115, 135, (E2, N, K // 32), generator=gen, dtype=torch.uint8).cuda()
+p2 = mxfp4_prepack(w2, s2, fuse_swiglu=True)
+cnt2 = torch.zeros(E2, dtype=torch.int32)
+cnt2[:7] = torch.tensor([32, 31, 17, 9, 40, 12, 2], dtype=torch.int32)
+off2 = torch.cat([torch.zeros(1, dtype=torch.int32), cnt2.cumsum(0).int()]).cuda()
+x2 = torch.randn(int(off2[-1]), K, generator=gen).to("cuda", torch.bfloat16)
+mxfp4_grouped_gemm(x2, p2, None, expert_offsets=off2, fuse_swiglu=True, swiglu_limit=7.0)
+ids2 = torch.arange(6, dtype=torch.int32).repeat(32, 1)  # 32 tokens on the same 6 experts
+ids2[::5, 5] = 7
+ids2 = ids2.cuda()
+x2r = torch.randn(32, K, generator=gen).to("cuda", torch.bfloat16)
+mxfp4_grouped_gemm(x2r, p2, None, topk_ids=ids2, fuse_swiglu=True, swiglu_limit=7.0)
+
 torch.cuda.synchronize()
 print("sanitize cases done")
