@@ -485,30 +485,39 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st,
       wq[i] = *reinterpret_cast<const uint4*>(blk + o.w);
       bf16_multipliers<kWide>(*reinterpret_cast<const uint32_t*>(blk + o.sc), m1[i], m2[i]);
     }
+    // The block's four k16 steps decoded first, as four independent chains, then their MMAs in
+    // the same order as ever (bitwise the same sums).
+    uint32_t a[4][C::wn][4];
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
+    for (int sh = 0; sh < 4; ++sh) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int koff = (kb * 64 + 32 * s + 16 * h) * 2;
-        uint32_t b[C::wt][2];
+      for (int i = 0; i < C::wn; ++i)
+        decode_bf16_scaled<kWide>(word_of(wq[i], 2 * (sh >> 1)), word_of(wq[i], 2 * (sh >> 1) + 1),
+                                  sh & 1, m1[i], m2[i], sh >> 1, a[sh][i]);
+    }
+    // (Opaque to the compiler: it would otherwise sink each decode next to its MMAs again.)
+#pragma unroll
+    for (int sh = 0; sh < 4; ++sh)
+#pragma unroll
+      for (int i = 0; i < C::wn; ++i)
+        asm volatile("" : "+r"(a[sh][i][0]), "+r"(a[sh][i][1]), "+r"(a[sh][i][2]), "+r"(a[sh][i][3]));
+#pragma unroll
+    for (int sh = 0; sh < 4; ++sh) {
+      const int koff = (kb * 64 + 16 * sh) * 2;  // (32 s + 16 h)
+      uint32_t b[C::wt][2];
+#pragma unroll
+      for (int j = 0; j < C::wt; ++j) {
+        if (j < nj) {
+          const uint2 v = *reinterpret_cast<const uint2*>(st + o.a + j * 8 * C::a_pitch + koff);
+          b[j][0] = v.x;
+          b[j][1] = v.y;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < C::wn; ++i) {
 #pragma unroll
         for (int j = 0; j < C::wt; ++j) {
-          if (j < nj) {
-            const uint2 v =
-                *reinterpret_cast<const uint2*>(st + o.a + j * 8 * C::a_pitch + koff);
-            b[j][0] = v.x;
-            b[j][1] = v.y;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < C::wn; ++i) {
-          uint32_t a[4];
-          decode_bf16_scaled<kWide>(word_of(wq[i], 2 * s), word_of(wq[i], 2 * s + 1), h, m1[i],
-                                    m2[i], s, a);
-#pragma unroll
-          for (int j = 0; j < C::wt; ++j) {
-            if (j < nj) mma_bf16(acc[i][j], a, b[j][0], b[j][1]);
-          }
+          if (j < nj) mma_bf16(acc[i][j], a[sh][i], b[j][0], b[j][1]);
         }
       }
     }
