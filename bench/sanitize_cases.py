@@ -140,7 +140,7 @@ cnt2[:7] = torch.tensor([32, 31, 17, 9, 40, 12, 2], dtype=torch.int32)
 off2 = torch.cat([torch.zeros(1, dtype=torch.int32), cnt2.cumsum(0).int()]).cuda()
 x2 = torch.randn(int(off2[-1]), K, generator=gen).to("cuda", torch.bfloat16)
 mxfp4_grouped_gemm(x2, p2, None, expert_offsets=off2, fuse_swiglu=True, swiglu_limit=7.0)
-ids2 = torch.arange(6, dtype=torch.int32).repeat(32, 1)  # 32 tokens on the same 6 experts
+ids2 = torch.arange(6, dtype=torch.int32).repeat(32, 1)  # 32 tokens on experts 0-5 (every 5th: 7)
 ids2[::5, 5] = 7
 ids2 = ids2.cuda()
 x2r = torch.randn(32, K, generator=gen).to("cuda", torch.bfloat16)

@@ -500,10 +500,11 @@ __device__ __forceinline__ void compute_stage(const uint8_t* __restrict__ st,
     for (int sh = 0; sh < 4; ++sh)
 #pragma unroll
       for (int i = 0; i < C::wn; ++i)
-        asm volatile("" : "+r"(a[sh][i][0]), "+r"(a[sh][i][1]), "+r"(a[sh][i][2]), "+r"(a[sh][i][3]));
+        asm volatile("" : "+r"(a[sh][i][0]), "+r"(a[sh][i][1]), "+r"(a[sh][i][2]),
+                     "+r"(a[sh][i][3]));
 #pragma unroll
     for (int sh = 0; sh < 4; ++sh) {
-      const int koff = (kb * 64 + 16 * sh) * 2;  // (32 s + 16 h)
+      const int koff = (kb * 64 + 16 * sh) * 2;  // step sh = 2 s + h: k 32 s + 16 h, bf16 bytes
       uint32_t b[C::wt][2];
 #pragma unroll
       for (int j = 0; j < C::wt; ++j) {
