@@ -227,25 +227,24 @@ def main() -> None:
     # Where the scale bytes sit, at the same picks (session 32): the V4 layout's block end; read
     # from the row's own first line (no access of their own: what any inline layout costs at
     # most); and a token-interleaved layout, 592-byte rows (576 + 8 scale bytes + 8 pad, so every
-    # row stays 16-byte aligned) in buffers of their own.
-    aos = [torch.empty((int(i.max()) + 1) * 592, dtype=torch.uint8, device="cuda")
-           for i in (i8, ei8)]
-    rows_aos = torch.cat([aos[0].data_ptr() + i8.long() * 592,
-                          aos[1].data_ptr() + ei8.long() * 592], 1).contiguous()
-    # Session 33: the same 576-byte reads at a 640-byte pitch (every row 128-byte aligned, none
-    # crossing a line it does not need) and at a 1 KB pitch (the bf16 rows' alignment): if the
-    # rows a second stay where the 584-byte pitch has them, what binds is a cost per row, not
-    # the bytes or how rows straddle lines and DRAM pages.
-    padded = {}
-    for pitch in (640, 1024):
+    # row stays 16-byte aligned). Session 33: the same 576-byte reads at a 640-byte pitch (every
+    # row 128-byte aligned, none crossing a line it does not need) and at a 1 KB pitch (the bf16
+    # rows' alignment): if the rows a second stay where the 584-byte pitch has them, what binds is
+    # a cost per row, not the bytes or how rows straddle lines and DRAM pages.
+    def pitched(pitch):
+        """The picks' row addresses at `pitch` bytes apart, in buffers of their own (returned
+        with them, to keep them alive)."""
         bufs = [torch.empty((int(i.max()) + 1) * pitch, dtype=torch.uint8, device="cuda")
                 for i in (i8, ei8)]
-        padded[pitch] = (bufs, torch.cat([bufs[0].data_ptr() + i8.long() * pitch,
-                                          bufs[1].data_ptr() + ei8.long() * pitch], 1).contiguous())
+        return bufs, torch.cat([bufs[0].data_ptr() + i8.long() * pitch,
+                                bufs[1].data_ptr() + ei8.long() * pitch], 1).contiguous()
+
+    rows_at = {pitch: pitched(pitch) for pitch in (592, 640, 1024)}
+    aos, p640, p1k = (rows_at[pitch][1] for pitch in (592, 640, 1024))
     layouts = (("scales at the block end", rows8, sc8), ("no scale access", rows8, rows8),
-               ("592-byte rows, scales inline", rows_aos, rows_aos + 576),
-               ("576 B at a 640-byte pitch, no scales", padded[640][1], padded[640][1]),
-               ("576 B at a 1 KB pitch, no scales", padded[1024][1], padded[1024][1]))
+               ("592-byte rows, scales inline", aos, aos + 576),
+               ("576 B at a 640-byte pitch, no scales", p640, p640),
+               ("576 B at a 1 KB pitch, no scales", p1k, p1k))
     for name, r8, s8 in layouts:
         for nbuf in (2, 3, 4):
             fn8.max_dynamic_shared_size_bytes = nbuf * (64 * 584)
