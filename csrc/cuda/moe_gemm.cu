@@ -206,7 +206,11 @@ using WgFp8Cfg = WgCfg<true, 2, 64, 5, 3, 2, true>;
 // bf16's mma.sync tier, the wgmma tile keeps its rate at half the CTAs).
 using WgFp8SmallCfg = WgCfg<true, 2, 32, 5, 4, 2>;
 using WgFp8SmallBaseCfg = WgCfg<true, 2, 32, 4, 3, 3>;
-using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 3, 7>;
+// The tiny tile on the skewed loop, 2 stages ahead (H100, session 34: 7-10% faster at 8-128 tokens
+// uniform, ~3 items a CTA; +1-5% at one item a CTA - 1 token, 8 tokens on 6 experts - where the
+// plain loop's third stage ahead helps its CTA's one chain. A kernel holding both loops, picked
+// per launch, ran the skewed one no faster than the plain: not kept.)
+using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 2, 7, true>;
 // The float8 wide tile (tile 2, experts of >= 129 rows): warp-specialised, the tokens as wgmma's
 // M dimension (mxfp4_moe_fp8_ws_kernel). 256 tokens x 128 weight rows an item, one CTA an SM:
 // warpgroups 0 and 1 consume (tokens 128 cw .. +128 as two m64n128 chains a stage, A and B from
@@ -1269,15 +1273,16 @@ __global__ void __launch_bounds__(C::threads, C::min_blocks)
       // chain; one promotion acc = fma(partial * 2^(b - 133), a_scale, acc). With row bases
       // (Mxfp4CudaGemmParams::row_base: bitwise the same results) b is the row's base B at
       // every stage, the promotion acc = fma(partial, a_scale, acc), and the accumulators are
-      // multiplied by 2^(B - 133) once, after the last stage. The prefill tiles
-      // (C::skew) run the loop skewed by one stage: the chain of stage kt runs on the tensor cores
-      // while the warps wait for stage kt+1 (cp.async wait and the CTA barrier), refill the ring
-      // and read kt+1's weights and scale bytes; only the promotion waits for the chain. Two
-      // stages are then live at a refill (kt: its token scales, kt+1), so loads run ahead <=
-      // stages - 2. (Measured on the H200: +8-15% with 64- and 128-token tiles; -4 to -9% with
-      // the 8- and 32-token decode tiles, whose chains are too short to hide anything.) Issuing
-      // each k32 group's wgmma right after its decode instead was 1-7% slower on every float8
-      // tile (a wgmma.fence a group).
+      // multiplied by 2^(B - 133) once, after the last stage. The prefill tiles and the tiny
+      // tile (C::skew) run the loop skewed by one stage: the chain of stage kt runs on the
+      // tensor cores while the warps wait for stage kt+1 (cp.async wait and the CTA barrier),
+      // refill the ring and read kt+1's weights and scale bytes; only the promotion waits for
+      // the chain. Two stages are then live at a refill (kt: its token scales, kt+1), so loads
+      // run ahead <= stages - 2. (Measured on the H200: +8-15% with 64- and 128-token tiles;
+      // -4 to -9% with the 8- and 32-token decode tiles then (session 7). Since the decode
+      // loops lost their per-stage bookkeeping the 8-token tile gains from it: WgFp8TinyCfg,
+      // session 34.) Issuing each k32 group's wgmma right after its decode instead was 1-7%
+      // slower on every float8 tile (a wgmma.fence a group).
       static_assert(C::ahead <= C::stages - 1 - (C::skew ? 1 : 0),
                     "float8: the stages live at a refill stay out of its slot");
       // (The token scales are re-read from shared memory rather than held: at 64 tokens 16 more

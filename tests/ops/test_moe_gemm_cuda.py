@@ -848,6 +848,35 @@ def test_cuda_wide_tile_many_items_short_k(gen, tile, K, mode, scales):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["v4", "mixed"])
+def test_cuda_fp8_tiny_tile_many_items_bitwise(gen, tile, scales):
+    """The float8 tiny tile runs its skewed stage loop through one ring across a CTA's items:
+    96 experts of 1..8 rows x 20 weight tiles = 1920 items (over twice the resident CTAs of a
+    132-SM Hopper at 7 an SM, so ~2-3 items a CTA) give bitwise the rows of each expert run alone
+    (20 items, one a CTA at most: a fresh ring), row bases bitwise the per-stage bases, and the
+    result matches the reference. K = 768: 6 stages, so the 4-slot ring wraps and each item's
+    tail runs with fewer stages ahead."""
+    tile(3)
+    E, N, K = 96, 1280, 768
+    wlo, whi, frac = {"v4": (112, 130, 1.0), "mixed": (110, 140, 0.5)}[scales]
+    counts = torch.randint(1, 9, (E,), generator=gen).tolist()
+    c = make_case(gen, E=E, N=N, K=K, dtype=FP8, masked=False, counts=counts, pad_max=1,
+                  wlo=wlo, whi=whi, narrow=frac)
+    pw = mxfp4_prepack(c["w"].to(DEV), c["s"].to(DEV), act_dtype=FP8)
+    check_row_bases_bitwise(c, pw, f"many items, {scales}")
+    many = run_cuda(c, out_dtype=torch.float32, packed=pw)
+    off = c["layout"]["expert_offsets"]
+    for e in torch.randperm(E, generator=gen)[:3].tolist():  # an expert alone: one item a CTA
+        lo, hi = int(off[e]), int(off[e]) + counts[e]
+        c1 = dict(c, a=c["a"][lo:hi], a_scale=c["a_scale"][lo:hi], rows=(hi - lo,))
+        c1["layout"] = {"expert_offsets": torch.tensor([0] * (e + 1) + [hi - lo] * (E - e),
+                                                       dtype=torch.int32)}
+        alone = run_cuda(c1, out_dtype=torch.float32, packed=pw)
+        assert torch.equal(alone.view(torch.int32), many[lo:hi].view(torch.int32)), \
+            f"expert {e}: its rows alone and among 1920 items differ ({scales})"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile_shape", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("masked", [False, True])
 def test_cuda_a_scale_layouts_bitwise(gen, tile, tile_shape, masked):
