@@ -821,12 +821,13 @@ def test_cuda_w4a8_row_base_bitwise(gen, tile, tile_shape, masked, scales):
 
 def check_row_bases_bitwise(c, pw, what):
     """The float8 op on W4A8-packed weights pw: bitwise the result of the same weights on
-    per-stage bases (row_base=None), and right against the reference."""
+    per-stage bases (row_base=None), and right against the reference. Returns the result."""
     got = run_cuda(c, out_dtype=torch.float32, packed=pw)
     per_stage = run_cuda(c, out_dtype=torch.float32, packed=dataclasses.replace(pw, row_base=None))
     assert torch.equal(got.view(torch.int32), per_stage.view(torch.int32)), \
         f"{what}: row bases changed the result"
     check_vs_ref(got, c, torch.float32, what)
+    return got
 
 
 @pytest.mark.gpu
@@ -863,8 +864,7 @@ def test_cuda_fp8_tiny_tile_many_items_bitwise(gen, tile, scales):
     c = make_case(gen, E=E, N=N, K=K, dtype=FP8, masked=False, counts=counts, pad_max=1,
                   wlo=wlo, whi=whi, narrow=frac)
     pw = mxfp4_prepack(c["w"].to(DEV), c["s"].to(DEV), act_dtype=FP8)
-    check_row_bases_bitwise(c, pw, f"many items, {scales}")
-    many = run_cuda(c, out_dtype=torch.float32, packed=pw)
+    many = check_row_bases_bitwise(c, pw, f"many items, {scales}")
     off = c["layout"]["expert_offsets"]
     for e in torch.randperm(E, generator=gen)[:3].tolist():  # an expert alone: one item a CTA
         lo, hi = int(off[e]), int(off[e]) + counts[e]
