@@ -6,8 +6,10 @@ tells whether a variant changed any result.
   python3 bench/ab_moe_cases.py gate_up:512:skewed,down:2048:uniform[,...] [bf16]
 a case is gemm (gate_up / gate_up_plain / down, or layer: gate_up then down back to back, as
 bench_moe_gemm.py's gate_up+down rows) : tokens : routing (uniform / skewed, as
-bench_moe_gemm.py) [: fp8 / bf16]; activations are float8 (W4A8) unless the case or the `bf16`
-argument says bf16.
+bench_moe_gemm.py) [: fp8 / bf16 [: warm]]; activations are float8 (W4A8) unless the case or the
+`bf16` argument says bf16. `warm` times the case without the L2 flush before each call, so the
+kernel's instructions stay cached (the weights of a decode case mostly do not fit the L2 anyway):
+beside the flushed case it tells what fetching cold code costs a variant.
 """
 
 import json
@@ -79,7 +81,8 @@ def main() -> None:
             run, _ = make_case(":".join(parts[:3]), case_act, gen, dgen, packed[case_act])
         out = run()
         chk = int(out.view(torch.int16).to(torch.int64).sum())
-        res[case] = [bench.time_kernels(run) * 1e6, chk]
+        warm = len(parts) > 4 and parts[4] == "warm"
+        res[case] = [bench.time_kernels(run, flush_l2=not warm) * 1e6, chk]
     print(json.dumps(res))
 
 
