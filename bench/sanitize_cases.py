@@ -128,6 +128,12 @@ for T, k, tiles in [(1, 6, (0, 1, 3)), (42, 6, (0, 1, 3)), (7, 3, (3,))]:
         moe_combine(o, None, torch.rand(T, k, generator=gen).cuda(), topk_ids=ids)
 _mg._FORCE_TILE = 0
 
+
+def offsets_of(counts):
+    """Expert-sorted row offsets [E + 1] on the GPU for per-expert row counts."""
+    return torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).int()]).cuda()
+
+
 # The six-expert decode plan: the tiny base tile and the small tier (SmallCfg, experts of >= 9
 # rows, which no forced tile above runs: a forced tile 1 is the small base tile), contiguous and
 # routed.
@@ -137,7 +143,7 @@ s2 = torch.randint(115, 135, (E2, N, K // 32), generator=gen, dtype=torch.uint8)
 p2 = mxfp4_prepack(w2, s2, fuse_swiglu=True)
 cnt2 = torch.zeros(E2, dtype=torch.int32)
 cnt2[:7] = torch.tensor([32, 31, 17, 9, 40, 12, 2], dtype=torch.int32)
-off2 = torch.cat([torch.zeros(1, dtype=torch.int32), cnt2.cumsum(0).int()]).cuda()
+off2 = offsets_of(cnt2)
 x2 = torch.randn(int(off2[-1]), K, generator=gen).to("cuda", torch.bfloat16)
 mxfp4_grouped_gemm(x2, p2, None, expert_offsets=off2, fuse_swiglu=True, swiglu_limit=7.0)
 ids2 = torch.arange(6, dtype=torch.int32).repeat(32, 1)  # 32 tokens on experts 0-5 (every 5th: 7)
@@ -156,7 +162,7 @@ p3 = mxfp4_prepack(w3, s3, act_dtype=torch.float8_e4m3fn)
 cnt3 = torch.randint(1, 9, (E3,), generator=gen, dtype=torch.int32)
 _mg._FORCE_TILE = 3
 for c3 in (cnt3, torch.cat([cnt3[:3], torch.zeros(E3 - 3, dtype=torch.int32)])):
-    off3 = torch.cat([torch.zeros(1, dtype=torch.int32), c3.cumsum(0).int()]).cuda()
+    off3 = offsets_of(c3)
     x3r = torch.randn(int(off3[-1]), K3, generator=gen).to("cuda", torch.float8_e4m3fn)
     sc3 = torch.rand(int(off3[-1]), K3 // 128, generator=gen).cuda()
     mxfp4_grouped_gemm(x3r, p3, None, expert_offsets=off3, a_scale=sc3)
