@@ -5,7 +5,13 @@ vectorised plain-torch version of the same arithmetic.
   python bench/bench_length_correction.py --device cuda   # CUDA kernel vs torch (CUDA)
 
 The op moves a few KB, so it is bound by launch latency on a GPU: what matters is that it is one
-launch of a few microseconds with no host synchronisation.
+launch of a few microseconds with no host synchronisation. Each case is timed three ways on CUDA,
+as the other op benchmarks are: `time_us`, the eager Python call (argument checks, output
+allocation, launch; L2 flushed before each call - when the host takes longer than the flush this
+is host time); `graph_us`, the call with preallocated outputs captured in a CUDA graph and
+replayed (what the scheduler's captured step pays); `kernel_us`, the kernel's own device time
+(CUPTI). `bytes` is the fewest the op must move (op_bytes); the fraction is bytes / measured copy
+bandwidth over the time, far below 1 by nature (the floor is the launch, not the bytes).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroinfer.ops import correct_lengths
+from zeroinfer.ops import CorrectedLengths, correct_lengths
 from zeroinfer.testing import bench
 
 
@@ -35,6 +41,13 @@ def torch_correct(remap, acc, nxt, nnext, assumed, cu, k, pos, ids):
     return q, k_out, pos_out, ids_out
 
 
+def op_bytes(R, n):
+    """Read remap, assumed_accepted, seqlens_k, the R gathered prev_num_accepted / prev_num_next,
+    cu_seqlens_q (R + 1), positions, input_ids and the n gathered next tokens; write seqlens_q,
+    seqlens_k, positions and input_ids. All int32."""
+    return 4 * ((5 * R + R + 1 + 3 * n) + (2 * R + 2 * n))
+
+
 def make_round(R, S, device, gen):
     ri = lambda lo, hi, *s: torch.randint(lo, hi, s, generator=gen, dtype=torch.int32)  # noqa: E731
     remap = torch.randperm(R, generator=gen).to(torch.int32)
@@ -52,7 +65,9 @@ def make_round(R, S, device, gen):
 def main() -> None:
     args = bench.parse_args(__doc__)
     dev = args.device
-    timer = bench.time_cuda if dev == "cuda" else bench.time_cpu
+    cuda = dev == "cuda"
+    ceilings = bench.measure_cuda_ceilings() if cuda else None
+    timer = bench.time_cuda if cuda else bench.time_cpu
     gen = torch.Generator().manual_seed(0)
     rows = []
     for R in (1, 8, 64, 256, 1024, 4096):
@@ -61,12 +76,27 @@ def main() -> None:
             # A fast wrong kernel must not post a number: both paths agree exactly first.
             ours, theirs = correct_lengths(*a), torch_correct(*a)
             assert all(torch.equal(x, y.to(torch.int32)) for x, y in zip(ours, theirs)), (R, S)
+            out = CorrectedLengths(*(torch.empty_like(t) for t in ours))
             t_ours = timer(lambda: correct_lengths(*a))
             t_torch = timer(lambda: torch_correct(*a))
-            rows.append({"rows": R, "tokens_per_row": S, "time_us": t_ours * 1e6,
-                         "torch_us": t_torch * 1e6, "speedup_vs_torch": t_torch / t_ours})
-    bench.print_table(rows, ["rows", "tokens_per_row", "time_us", "torch_us", "speedup_vs_torch"])
-    path = bench.write_results("length_correction", rows, device=dev,
+            fill = lambda: correct_lengths(*a, out=out)  # noqa: E731
+            row = {"rows": R, "tokens_per_row": S,
+                   **bench.roofline_row(seconds=t_ours, bytes_moved=op_bytes(R, R * S), flops=0,
+                                        ceilings=ceilings,
+                                        kernel_seconds=bench.time_kernels(fill) if cuda else None),
+                   "torch_us": t_torch * 1e6, "speedup_vs_torch": t_torch / t_ours}
+            if cuda:
+                row["graph_us"] = bench.time_cuda_graph(fill) * 1e6
+            rows.append(row)
+    cols = ["rows", "tokens_per_row", "bytes", "time_us"]
+    cols += ["graph_us", "kernel_us", "kernel_fraction_of_floor"] if cuda else []
+    cols += ["torch_us", "speedup_vs_torch"]
+    bench.print_table(rows, cols)
+    timing = ("time_us: the op called eagerly, CUDA events, L2 flushed before each call; graph_us: "
+              "its CUDA-graph replay with preallocated outputs; kernel_us: its own device work "
+              "(CUPTI); torch_us: the vectorised torch path called eagerly")
+    extra = {"ceilings": ceilings, "timing": timing} if cuda else None
+    path = bench.write_results("length_correction", rows, device=dev, extra=extra,
                                out_dir=args.out_dir)
     print(f"wrote {path}")
 
