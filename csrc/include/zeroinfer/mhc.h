@@ -1,0 +1,122 @@
+// The mixes of one mHC hyper-connection (V4's manifold-constrained hyper-connections) from its
+// projection, per token, in float32:
+//     z = [z_pre (N) | z_post (N) | z_comb (N*N, row-major)],  base likewise,  scale [3]
+//     pre[i]  = sigmoid(z_pre[i] * scale[0] + base_pre[i]) + eps
+//     post[i] = 2 * sigmoid(z_post[i] * scale[1] + base_post[i])
+//     C       = softmax(z_comb * scale[2] + base_comb, over each row's N entries) + eps
+//     C      /= column sums + eps                       (columns first)
+//     iters - 1 times:  C /= row sums + eps;  C /= column sums + eps
+// One launch in place of the ~4 * iters small torch ops a Sinkhorn loop costs (V4: 20 iterations,
+// two hyper-connections a layer). Sums run in index order and every token is computed alone, so
+// a token's mixes do not depend on the batch. Reference: zeroinfer.reference.mhc.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "zeroinfer/common.h"
+#include "zeroinfer/numeric.h"
+
+namespace zi {
+
+constexpr int kMhcMaxStreams = 8;  // hc_mult; V4 uses 4
+
+struct MhcMixesParams {
+  int64_t num_tokens;   // T
+  int32_t streams;      // N, 1..kMhcMaxStreams
+  int32_t iters;        // Sinkhorn iterations (>= 1)
+  float eps;            // the hyper-connection epsilon (floor and denominators)
+  const float* z;       // [T, (2 + N) * N] the projection
+  const float* scale;   // [3]
+  const float* base;    // [(2 + N) * N]
+  float* pre;           // [T, N] out
+  float* post;          // [T, N] out
+  float* comb;          // [T, N, N] out
+};
+
+namespace mhc_detail {
+
+ZI_HD float sigmoid(float x) {
+#if defined(__CUDA_ARCH__)
+  return 1.f / (1.f + expf(-x));
+#else
+  return 1.f / (1.f + std::exp(-x));
+#endif
+}
+
+ZI_HD float exp_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+}  // namespace mhc_detail
+
+// Token t's mixes; N is a template argument so the N x N matrix lives in registers on the GPU.
+template <int N>
+ZI_HD void mhc_mixes_token(const MhcMixesParams& p, int64_t t) {
+  using mhc_detail::exp_f;
+  using mhc_detail::sigmoid;
+  constexpr int kWidth = (2 + N) * N;
+  const float* z = p.z + t * kWidth;
+  const float s_pre = p.scale[0], s_post = p.scale[1], s_comb = p.scale[2], eps = p.eps;
+  for (int i = 0; i < N; ++i) {
+    p.pre[t * N + i] = sigmoid(z[i] * s_pre + p.base[i]) + eps;
+    p.post[t * N + i] = 2.f * sigmoid(z[N + i] * s_post + p.base[N + i]);
+  }
+  float c[N][N];
+  for (int r = 0; r < N; ++r) {
+    float m = -INFINITY;
+    for (int k = 0; k < N; ++k) {
+      c[r][k] = z[2 * N + r * N + k] * s_comb + p.base[2 * N + r * N + k];
+      m = c[r][k] > m ? c[r][k] : m;
+    }
+    float sum = 0.f;
+    for (int k = 0; k < N; ++k) {
+      c[r][k] = exp_f(c[r][k] - m);
+      sum += c[r][k];
+    }
+    for (int k = 0; k < N; ++k) c[r][k] = c[r][k] / sum + eps;
+  }
+  auto normalise_columns = [&] {
+    for (int k = 0; k < N; ++k) {
+      float sum = 0.f;
+      for (int r = 0; r < N; ++r) sum += c[r][k];
+      for (int r = 0; r < N; ++r) c[r][k] = c[r][k] / (sum + eps);
+    }
+  };
+  normalise_columns();
+  for (int it = 1; it < p.iters; ++it) {
+    for (int r = 0; r < N; ++r) {
+      float sum = 0.f;
+      for (int k = 0; k < N; ++k) sum += c[r][k];
+      for (int k = 0; k < N; ++k) c[r][k] = c[r][k] / (sum + eps);
+    }
+    normalise_columns();
+  }
+  for (int r = 0; r < N; ++r)
+    for (int k = 0; k < N; ++k) p.comb[(t * N + r) * N + k] = c[r][k];
+}
+
+// Calls f(std::integral_constant<int, N>{}) for the runtime stream count (1..kMhcMaxStreams).
+template <class F>
+void mhc_dispatch_streams(int streams, F&& f) {
+  switch (streams) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: ZI_CHECK(false, "mhc_mixes: streams must be in 1..kMhcMaxStreams");
+  }
+}
+
+void mhc_mixes_cpu(const MhcMixesParams& p);
+void mhc_mixes_cuda(const MhcMixesParams& p, void* stream);
+
+}  // namespace zi
