@@ -3,13 +3,15 @@ A/B runs of two or more builds (bench/ab_builds.sh alternates them, one build a 
 one JSON line {case: [kernel_us, output checksum]}: the checksum (the bf16 outputs' bits summed)
 tells whether a variant changed any result.
 
-  python3 bench/ab_moe_cases.py gate_up:512:skewed,down:2048:uniform[,...] [bf16]
+  python3 bench/ab_moe_cases.py gate_up:512:skewed,down:2048:uniform[,...] [bf16] [tiny_loop=N]
 a case is gemm (gate_up / gate_up_plain / down, or layer: gate_up then down back to back, as
 bench_moe_gemm.py's gate_up+down rows) : tokens : routing (uniform / skewed, as
 bench_moe_gemm.py) [: fp8 / bf16 [: warm]]; activations are float8 (W4A8) unless the case or the
 `bf16` argument says bf16. `warm` times the case without the L2 flush before each call, so the
 kernel's instructions stay cached (the weights of a decode case mostly do not fit the L2 anyway):
-beside the flushed case it tells what fetching cold code costs a variant.
+beside the flushed case it tells what fetching cold code costs a variant. `tiny_loop=1` / `=2`
+runs the float8 tiny tile's plain / skewed stage loop (zeroinfer.ops.moe_gemm._FORCE_FP8_TINY_LOOP)
+instead of the device's choice: an A/B of the two in one build.
 """
 
 import json
@@ -21,6 +23,7 @@ sys.path.insert(0, "bench")
 from bench_moe_gemm import (EXPERTS, HIDDEN, INTER, LIMIT, _quant_fp8, make_weights,  # noqa: E402
                             routing_offsets)
 
+import zeroinfer.ops.moe_gemm as mg  # noqa: E402
 from zeroinfer.ops import mxfp4_grouped_gemm, mxfp4_prepack  # noqa: E402
 from zeroinfer.testing import bench  # noqa: E402
 
@@ -68,6 +71,9 @@ def make_layer(tokens, routing, act, gen, dgen, packed):
 def main() -> None:
     cases = sys.argv[1].split(",")
     act = torch.bfloat16 if "bf16" in sys.argv[2:] else torch.float8_e4m3fn
+    for arg in sys.argv[2:]:
+        if arg.startswith("tiny_loop="):
+            mg._FORCE_FP8_TINY_LOOP = int(arg.partition("=")[2])
     gen = torch.Generator().manual_seed(0)
     dgen = torch.Generator(device="cuda").manual_seed(1)
     packed, res = {torch.bfloat16: {}, torch.float8_e4m3fn: {}}, {}

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from zeroinfer import _C
+import zeroinfer.ops.moe_gemm as mg
 from zeroinfer.ops.moe_gemm import mxfp4_act_scale_mn_major, mxfp4_grouped_gemm, mxfp4_prepack
 from zeroinfer.quant.mxfp4 import dequantize_mxfp4
 from zeroinfer.testing import bench, stream_read
@@ -474,6 +475,8 @@ def cuda_main(args, quick: bool, only: list[int] | None = None) -> None:
                   "own float8 input, the quantisation between them untimed), bytes and FLOPs "
                   "summed, separate_kernel_us = the two per-GEMM kernel_us",
         "failures": failures,
+        "fp8_tiny_loop": ("plain" if _C.mxfp4_fp8_tiny_plain_loop(mg._FORCE_FP8_TINY_LOOP)
+                          else "skewed") + " (the W4A8 tiny tile's stage loop on this device)",
     }
     path = bench.write_results("moe_gemm", rows, device="cuda", extra=extra,
                                out_dir=args.out_dir)

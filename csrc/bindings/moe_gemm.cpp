@@ -76,7 +76,7 @@ void register_moe_gemm(py::module_& m) {
          int64_t num_experts, int64_t m_rows, int64_t cap, int64_t n, int64_t k, bool fuse_swiglu,
          std::optional<double> swiglu_limit, int tile, uintptr_t a_kslot,
          int64_t a_scale_row_stride, int64_t a_scale_k_stride, uintptr_t stream,
-         uintptr_t route_ids, int64_t route_div) {
+         uintptr_t route_ids, int64_t route_div, int fp8_tiny_loop) {
 #ifdef ZEROINFER_WITH_CUDA
         Mxfp4CudaGemmParams p;
         set_common(p, a, a_dtype, a_scale, expert_offsets, expert_counts, masked_m, out,
@@ -92,6 +92,7 @@ void register_moe_gemm(py::module_& m) {
         p.fp8_layout = fp8_layout;
         p.wide_scales = wide_scales;
         p.tile = tile;
+        p.fp8_tiny_loop = fp8_tiny_loop;
         p.a_kslot = as_ptr<const void>(a_kslot);
         py::gil_scoped_release nogil;
         mxfp4_grouped_gemm_cuda(p, as_ptr<void>(stream));
@@ -103,7 +104,7 @@ void register_moe_gemm(py::module_& m) {
         (void)masked_m, (void)out, (void)out_dtype, (void)num_experts, (void)m_rows, (void)cap;
         (void)n, (void)k, (void)fuse_swiglu, (void)swiglu_limit, (void)tile, (void)a_kslot;
         (void)a_scale_row_stride, (void)a_scale_k_stride, (void)stream, (void)route_ids;
-        (void)route_div;
+        (void)route_div, (void)fp8_tiny_loop;
         throw std::runtime_error("zeroinfer._C was built without CUDA");
 #endif
       },
@@ -116,7 +117,8 @@ void register_moe_gemm(py::module_& m) {
       py::arg("out_dtype"), py::arg("num_experts"), py::arg("m"), py::arg("cap"), py::arg("n"),
       py::arg("k"), py::arg("fuse_swiglu"), py::arg("swiglu_limit"), py::arg("tile"),
       py::arg("a_kslot"), py::arg("a_scale_row_stride"), py::arg("a_scale_k_stride"),
-      py::arg("stream"), py::arg("route_ids") = 0, py::arg("route_div") = 1);
+      py::arg("stream"), py::arg("route_ids") = 0, py::arg("route_div") = 1,
+      py::arg("fp8_tiny_loop") = 0);
   def(m,
       "mxfp4_cuda_plan",
       [](bool fp8, bool masked, int64_t m_rows, int64_t num_experts, int64_t cap, int requested,
@@ -135,6 +137,20 @@ void register_moe_gemm(py::module_& m) {
       "which runs the decode tiles (3, 1) only.",
       py::arg("fp8"), py::arg("masked"), py::arg("m"), py::arg("num_experts"), py::arg("cap"),
       py::arg("requested"), py::arg("routed") = false);
+  def(m,
+      "mxfp4_fp8_tiny_plain_loop",
+      [](int requested) -> bool {
+#ifdef ZEROINFER_WITH_CUDA
+        return mxfp4_fp8_tiny_plain_loop(requested);
+#else
+        (void)requested;
+        throw std::runtime_error("zeroinfer._C was built without CUDA");
+#endif
+      },
+      "Whether the CUDA float8 tiny tile runs its plain stage loop (3 stages ahead) rather than "
+      "the skewed one on the current device; requested 1 / 2 forces plain / skewed, 0 asks the "
+      "device (HBM bandwidth per SM).",
+      py::arg("requested") = 0);
   m.attr("MXFP4_BLOCK_BYTES") = kMxfp4BlockBytes;
   m.attr("MXFP4_GROUP_STRIPS") = kMxfp4GroupStrips;
   m.attr("MXFP4_STAGE_BLOCKS") = kMxfp4StageBlocks;

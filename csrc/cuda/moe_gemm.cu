@@ -55,6 +55,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -206,11 +207,14 @@ using WgFp8Cfg = WgCfg<true, 2, 64, 5, 3, 2, true>;
 // bf16's mma.sync tier, the wgmma tile keeps its rate at half the CTAs).
 using WgFp8SmallCfg = WgCfg<true, 2, 32, 5, 4, 2>;
 using WgFp8SmallBaseCfg = WgCfg<true, 2, 32, 4, 3, 3>;
-// The tiny tile on the skewed loop, 2 stages ahead (H100, session 34: 7-10% faster at 8-128 tokens
-// uniform, ~3 items a CTA; +1-5% at one item a CTA - 1 token, 8 tokens on 6 experts - where the
-// plain loop's third stage ahead helps its CTA's one chain. A kernel holding both loops, picked
-// per launch, ran the skewed one no faster than the plain: not kept.)
+// The tiny tile has two stage loops, picked per device (mxfp4_fp8_tiny_plain_loop): skewed, 2
+// stages ahead (H100, sessions 34-35: 7-10% faster at 8-128 tokens uniform, ~3 items a CTA,
+// +1-5% at one item a CTA), and plain, 3 stages ahead (the H200: every tiny-tile row of its
+// session-35 run with the skewed loop read 3-12% slower than session 33's with the plain one, the
+// other rows not). A kernel holding both loops, picked per launch, ran the skewed one no faster
+// than the plain (session 34): two kernels.
 using WgFp8TinyCfg = WgCfg<true, 1, 8, 4, 2, 7, true>;
+using WgFp8TinyPlainCfg = WgCfg<true, 1, 8, 4, 3, 7>;
 // The float8 wide tile (tile 2, experts of >= 129 rows): warp-specialised, the tokens as wgmma's
 // M dimension (mxfp4_moe_fp8_ws_kernel). 256 tokens x 128 weight rows an item, one CTA an SM:
 // warpgroups 0 and 1 consume (tokens 128 cw .. +128 as two m64n128 chains a stage, A and B from
@@ -2052,6 +2056,29 @@ void launch_tile(int tile, const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
 
 }  // namespace
 
+// Whether the float8 tiny tile runs its plain loop (3 stages ahead) rather than the skewed one
+// (2 ahead) on the current device: where the HBM bandwidth per SM is high (the H200: ~37 GB/s an
+// SM; the H100 SXM ~25) a CTA needs the third stage of loads in flight more than it gains from
+// hiding its short wgmma chain. Peak bandwidth from the memory clock and bus width (DDR: 2
+// transfers a clock), cached per device.
+bool mxfp4_fp8_tiny_plain_loop(int requested) {
+  if (requested != 0) return requested == 1;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int8_t> cached[kMaxDevices] = {};  // 0 unknown, 1 plain, 2 skewed
+  int dev = 0;
+  ZI_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < kMaxDevices && cached[dev].load(std::memory_order_relaxed) != 0)
+    return cached[dev].load(std::memory_order_relaxed) == 1;
+  int clock_khz = 0, bus_bits = 0, sms = 0;
+  ZI_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, dev));
+  ZI_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev));
+  ZI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const double bytes_per_s = 2.0 * clock_khz * 1e3 * (bus_bits / 8.0);
+  const bool plain = sms > 0 && bytes_per_s / sms >= 30e9;
+  if (dev < kMaxDevices) cached[dev].store(plain ? 1 : 2, std::memory_order_relaxed);
+  return plain;
+}
+
 void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
   const bool masked = p.masked_m != nullptr, routed = p.route_ids != nullptr;
   ZI_CHECK(int{masked} + int{routed} + int{p.expert_offsets != nullptr} == 1,
@@ -2090,6 +2117,8 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
   ZI_CHECK(masked ? (p.cap >= 0 && p.num_experts * p.cap < (int64_t{1} << 31))
                   : (p.m >= 0 && p.m < (int64_t{1} << 31)),
            "row count out of the CUDA kernel's int32 range");
+  ZI_CHECK(p.fp8_tiny_loop >= 0 && p.fp8_tiny_loop <= 2,
+           "fp8_tiny_loop must be 0 (by the device), 1 (plain) or 2 (skewed)");
   ZI_CHECK(p.tile >= 0 && p.tile <= 4,
            "tile must be 0 (auto), 1 (small), 2 (wide), 3 (tiny) or 4 (wgmma)");
   const Mxfp4CudaPlan plan = mxfp4_cuda_plan(p.a_dtype == DType::kFloat8E4M3, masked, p.m,
@@ -2109,6 +2138,8 @@ void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream) {
         launch<WgFp8SmallBaseCfg>(q, s);
       else
         launch<SmallBaseCfg>(q, s);
+    } else if (fp8 && tile == 3 && mxfp4_fp8_tiny_plain_loop(q.fp8_tiny_loop)) {
+      launch<WgFp8TinyPlainCfg>(q, s);
     } else if (fp8) {
       launch_tile<WgFp8SmallCfg, WsFp8Cfg, WgFp8TinyCfg, WgFp8Cfg>(tile, q, s);
     } else {

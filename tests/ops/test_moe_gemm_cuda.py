@@ -534,6 +534,15 @@ def tile(request):
     mg._FORCE_TILE = old
 
 
+@pytest.fixture
+def tiny_loop(request):
+    """Force the float8 tiny tile's stage loop (1 plain, 2 skewed), restoring the device's
+    choice after."""
+    old = mg._FORCE_FP8_TINY_LOOP
+    yield lambda v: setattr(mg, "_FORCE_FP8_TINY_LOOP", v)
+    mg._FORCE_FP8_TINY_LOOP = old
+
+
 def _tiles(dtype):
     """Every tile shape (each runs both activation types)."""
     return (1, 2, 3, 4)
@@ -849,15 +858,17 @@ def test_cuda_wide_tile_many_items_short_k(gen, tile, K, mode, scales):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loop", [1, 2], ids=["plain", "skewed"])
 @pytest.mark.parametrize("scales", ["v4", "mixed"])
-def test_cuda_fp8_tiny_tile_many_items_bitwise(gen, tile, scales):
-    """The float8 tiny tile runs its skewed stage loop through one ring across a CTA's items:
+def test_cuda_fp8_tiny_tile_many_items_bitwise(gen, tile, tiny_loop, scales, loop):
+    """The float8 tiny tile runs either stage loop through one ring across a CTA's items:
     96 experts of 1..8 rows x 20 weight tiles = 1920 items (over twice the resident CTAs of a
     132-SM Hopper at 7 an SM, so ~2-3 items a CTA) give bitwise the rows of each expert run alone
-    (20 items, one a CTA at most: a fresh ring), row bases bitwise the per-stage bases, and the
-    result matches the reference. K = 768: 6 stages, so the 4-slot ring wraps and each item's
-    tail runs with fewer stages ahead."""
+    (20 items, one a CTA at most: a fresh ring), row bases bitwise the per-stage bases, bitwise
+    the other loop's result, and the result matches the reference. K = 768: 6 stages, so the
+    4-slot ring wraps and each item's tail runs with fewer stages ahead."""
     tile(3)
+    tiny_loop(loop)
     E, N, K = 96, 1280, 768
     wlo, whi, frac = {"v4": (112, 130, 1.0), "mixed": (110, 140, 0.5)}[scales]
     counts = torch.randint(1, 9, (E,), generator=gen).tolist()
@@ -874,6 +885,19 @@ def test_cuda_fp8_tiny_tile_many_items_bitwise(gen, tile, scales):
         alone = run_cuda(c1, out_dtype=torch.float32, packed=pw)
         assert torch.equal(alone.view(torch.int32), many[lo:hi].view(torch.int32)), \
             f"expert {e}: its rows alone and among 1920 items differ ({scales})"
+    tiny_loop(3 - loop)
+    other = run_cuda(c, out_dtype=torch.float32, packed=pw)
+    assert torch.equal(other.view(torch.int32), many.view(torch.int32)), \
+        f"the plain and the skewed loop differ ({scales})"
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_tiny_loop_choice():
+    """1 / 2 force the plain / skewed loop; 0 asks the device (a bool, the same every call)."""
+    assert _C.mxfp4_fp8_tiny_plain_loop(1) is True
+    assert _C.mxfp4_fp8_tiny_plain_loop(2) is False
+    assert _C.mxfp4_fp8_tiny_plain_loop(0) in (True, False)
+    assert _C.mxfp4_fp8_tiny_plain_loop(0) == _C.mxfp4_fp8_tiny_plain_loop()
 
 
 @pytest.mark.gpu

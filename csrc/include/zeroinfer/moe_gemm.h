@@ -178,6 +178,10 @@ struct Mxfp4CudaGemmParams {
   // float8 mma.sync rounds differently). A tile other than 0 runs every expert. Every tile gives
   // bitwise the same result.
   int tile = 0;
+  // The float8 tiny tile's stage loop: 0 chosen by the device (mxfp4_fp8_tiny_plain_loop), 1 the
+  // plain loop (3 stages ahead), 2 the skewed loop (the wgmma chain of a stage under the wait
+  // for the next; 2 ahead). Bitwise the same results; tests and A/B runs force each.
+  int fp8_tiny_loop = 0;
   // The activations again (same layout and dtype) with each 16-k group's bf16 pairs in the
   // packed weights' k-slot order (slot pair q <- real pair 0,2,4,6,1,3,5,7): what the wgmma tile
   // reads for bf16. Required exactly when the plan runs tile 4 on bf16 activations
@@ -289,5 +293,9 @@ constexpr int64_t kMxfp4CudaMaxExperts = 2048;
 // Launches on `stream` (a cudaStream_t); no host synchronisation, no allocation. Row counts are
 // read on the device (clamped into range, so bad routing values cannot fault).
 void mxfp4_grouped_gemm_cuda(const Mxfp4CudaGemmParams& p, void* stream);
+
+// Whether the float8 tiny tile runs its plain stage loop on the current device (requested: as
+// Mxfp4CudaGemmParams::fp8_tiny_loop; 0 asks the device).
+bool mxfp4_fp8_tiny_plain_loop(int requested);
 
 }  // namespace zi

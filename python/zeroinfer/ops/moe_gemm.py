@@ -38,6 +38,10 @@ MXFP4_ROUTED_MAX_ROWS: int = _C.MXFP4_ROUTED_MAX_ROWS
 # 3 = tiny-M (decode, <= 8 rows per expert per tile), 4 = wgmma (64-token tile). Tests set it to
 # run every shape on the same inputs (every shape gives bitwise the same result).
 _FORCE_TILE = 0
+# The float8 tiny tile's stage loop: 0 = chosen by the device (_C.mxfp4_fp8_tiny_plain_loop: the
+# plain loop where HBM bandwidth per SM is high, as on the H200; the skewed loop on the H100),
+# 1 = plain, 2 = skewed. Both give bitwise the same result; tests and A/B benchmarks force each.
+_FORCE_FP8_TINY_LOOP = 0
 
 
 def _kslot_order(a: torch.Tensor) -> torch.Tensor:
@@ -412,9 +416,11 @@ def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_
             ptr(a_kslot), s_row, s_k)
     if dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
-            _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev), ptr(route_ids), route_div)
+            _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev), ptr(route_ids), route_div,
+                                       _FORCE_FP8_TINY_LOOP)
     else:
-        _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev), ptr(route_ids), route_div)
+        _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev), ptr(route_ids), route_div,
+                                   _FORCE_FP8_TINY_LOOP)
 
 
 def mxfp4_grouped_gemm(
