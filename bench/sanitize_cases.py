@@ -3,7 +3,8 @@
 
 import torch
 
-from zeroinfer.ops import correct_lengths, moe_combine, moe_dispatch, sparse_mla_attention
+from zeroinfer.ops import (correct_lengths, mhc_mixes, moe_combine, moe_dispatch,
+                           sparse_mla_attention)
 from zeroinfer.quant.kv_fp8 import quantize_kv_fp8
 
 gen = torch.Generator().manual_seed(1)
@@ -152,21 +153,29 @@ ids2 = ids2.cuda()
 x2r = torch.randn(32, K, generator=gen).to("cuda", torch.bfloat16)
 mxfp4_grouped_gemm(x2r, p2, None, topk_ids=ids2, fuse_swiglu=True, swiglu_limit=7.0)
 
-# The float8 tiny tile's skewed stage loop (2 stages ahead): 2048 items (64 experts of 1..8 rows x
-# 32 weight tiles: several a CTA, its ring slots reused across items) and, with only three
-# experts' rows, one item a CTA at most.
+# The float8 tiny tile's two stage loops (plain, 3 stages ahead; skewed, 2 ahead), each forced:
+# 2048 items (64 experts of 1..8 rows x 32 weight tiles: several a CTA, its ring slots reused
+# across items) and, with only three experts' rows, one item a CTA at most.
 E3, N3, K3 = 64, 2048, 512
 w3 = torch.randint(0, 256, (E3, N3, K3 // 2), generator=gen, dtype=torch.uint8).cuda()
 s3 = torch.randint(115, 135, (E3, N3, K3 // 32), generator=gen, dtype=torch.uint8).cuda()
 p3 = mxfp4_prepack(w3, s3, act_dtype=torch.float8_e4m3fn)
 cnt3 = torch.randint(1, 9, (E3,), generator=gen, dtype=torch.int32)
 _mg._FORCE_TILE = 3
-for c3 in (cnt3, torch.cat([cnt3[:3], torch.zeros(E3 - 3, dtype=torch.int32)])):
-    off3 = offsets_of(c3)
-    x3r = torch.randn(int(off3[-1]), K3, generator=gen).to("cuda", torch.float8_e4m3fn)
-    sc3 = torch.rand(int(off3[-1]), K3 // 128, generator=gen).cuda()
-    mxfp4_grouped_gemm(x3r, p3, None, expert_offsets=off3, a_scale=sc3)
-_mg._FORCE_TILE = 0
+for loop in (1, 2):
+    _mg._FORCE_FP8_TINY_LOOP = loop
+    for c3 in (cnt3, torch.cat([cnt3[:3], torch.zeros(E3 - 3, dtype=torch.int32)])):
+        off3 = offsets_of(c3)
+        x3r = torch.randn(int(off3[-1]), K3, generator=gen).to("cuda", torch.float8_e4m3fn)
+        sc3 = torch.rand(int(off3[-1]), K3 // 128, generator=gen).cuda()
+        mxfp4_grouped_gemm(x3r, p3, None, expert_offsets=off3, a_scale=sc3)
+_mg._FORCE_TILE = _mg._FORCE_FP8_TINY_LOOP = 0
+
+# mHC mixes: one token, a ragged block tail, N = 4 (V4) and N = 8 (the largest).
+for T, n in [(1, 4), (131, 4), (300, 8)]:
+    w = (2 + n) * n
+    mhc_mixes(torch.randn(T, w, generator=gen).cuda(), torch.rand(3, generator=gen).cuda(),
+              torch.randn(w, generator=gen).cuda(), streams=n, iters=20, eps=1e-6)
 
 torch.cuda.synchronize()
 print("sanitize cases done")
