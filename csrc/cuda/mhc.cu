@@ -1,6 +1,6 @@
 // CUDA mHC mixes (contract in zeroinfer/mhc.h): one thread a token, the N x N matrix in
 // registers. A decode step has a few to a few hundred tokens, so the launch is the cost; what
-// matters is that the ~4 * iters torch ops of a Sinkhorn loop become this one launch.
+// matters is that the ~6 * iters torch ops of a Sinkhorn loop become this one launch.
 #include <cuda_runtime.h>
 
 #include "check.cuh"

@@ -6,7 +6,7 @@
 //     C       = softmax(z_comb * scale[2] + base_comb, over each row's N entries) + eps
 //     C      /= column sums + eps                       (columns first)
 //     iters - 1 times:  C /= row sums + eps;  C /= column sums + eps
-// One launch in place of the ~4 * iters small torch ops a Sinkhorn loop costs (V4: 20 iterations,
+// One launch in place of the ~6 * iters small torch ops a Sinkhorn loop costs (V4: 20 iterations,
 // two hyper-connections a layer). Sums run in index order and every token is computed alone, so
 // a token's mixes do not depend on the batch. Reference: zeroinfer.reference.mhc.
 #pragma once

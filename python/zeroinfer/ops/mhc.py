@@ -9,8 +9,8 @@ Per token, z = [z_pre (N) | z_post (N) | z_comb (N*N, row-major)] and base likew
     C    = C / (C.sum(-2) + eps)                          # columns first
     iters - 1 times: C = C / (C.sum(-1) + eps); C = C / (C.sum(-2) + eps)
 
-In torch this is ~4 * iters small ops a hyper-connection (V4: iters = 20, two a layer), which on
-a GPU decode step cost a launch each; the kernel computes each token alone, so the result does
+In torch this is ~6 * iters + 20 small ops a hyper-connection (V4: iters = 20, two a layer), which
+on a GPU decode step cost a launch each; the kernel computes each token alone, so the result does
 not depend on the batch either.
 """
 
