@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zeroinfer import ops
-from zeroinfer.model.cache import CompressorState, ForwardBatch, LayerCache, slots_of
+from zeroinfer.model.cache import CompressorState, ForwardBatch, LayerCache, host_tensor, slots_of
 from zeroinfer.model.config import CSA, HCA, SLIDING, ModelConfig
 from zeroinfer.model.linear import Linear, pad_rows
 from zeroinfer.model.norm import rms_norm, rms_norm_unweighted
@@ -48,12 +48,39 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(rate, series * width, dtype=torch.float32))
         self.kv_norm = NormWeight(width)
 
-    def compress(self, x: torch.Tensor, context_len: int, state: CompressorState, slot: int,
-                 rope: RopeTables) -> tuple[torch.Tensor, int]:
-        """x: [S, D] new tokens of one sequence. Returns (entries [n, width], index of the
-        first entry) and updates the sequence's state."""
+    def compress_batch(self, x: torch.Tensor, batch: ForwardBatch, state: CompressorState,
+                       rope: RopeTables) -> list[tuple[int, torch.Tensor, int]]:
+        """Every sequence's new tokens x [T, D] (batch order): the projections in one call each,
+        the tokens of windows that stay open buffered by one indexed write for the whole batch
+        (a decode step's common case: one token, rate 4 or 128), and the sequences whose windows
+        close pooled one by one. Returns (sequence, entries [n, width], index of the first
+        entry) for the sequences with new entries, and updates the state."""
+        kv_all, gate_all = self.kv_proj(x), self.gate_proj(x)
+        m, cu = self.rate, batch.cu_seqlens
+        tokens, slots, offsets, out = [], [], [], []
+        for i in range(batch.num_seqs):
+            lo, hi, ctx, slot = cu[i], cu[i + 1], batch.context_lens[i], batch.state_slots[i]
+            held = ctx % m
+            if held + hi - lo < m:  # no window closes: the tokens join the buffer
+                tokens += range(lo, hi)
+                slots += [slot] * (hi - lo)
+                offsets += range(held, held + hi - lo)
+            else:
+                entries, first = self._pool(kv_all[lo:hi], gate_all[lo:hi], ctx, state, slot,
+                                            rope)
+                out.append((i, entries, first))
+        if tokens:
+            tok, sl, off = (host_tensor(v, x.device) for v in (tokens, slots, offsets))
+            state.buf_kv[sl, off] = kv_all[tok].float()
+            state.buf_gate[sl, off] = gate_all[tok].float()
+        return out
+
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, context_len: int,
+              state: CompressorState, slot: int, rope: RopeTables) -> tuple[torch.Tensor, int]:
+        """One sequence's new projections kv / gate [S, series * width] that close at least one
+        window: its complete windows pooled into entries (entries [n >= 1, width], index of the
+        first entry); the rest buffered."""
         m, w = self.rate, self.width
-        kv, gate = self.kv_proj(x), self.gate_proj(x)
         held = context_len % m
         start = context_len - held  # absolute position of the first buffered token
         full_kv = torch.cat([state.buf_kv[slot, :held].to(kv.dtype), kv])
@@ -62,8 +89,6 @@ class Compressor(nn.Module):
         rest = full_kv.shape[0] - n * m
         state.buf_kv[slot, :rest] = full_kv[n * m:].float()
         state.buf_gate[slot, :rest] = full_gate[n * m:].float()
-        if n == 0:
-            return kv.new_zeros(0, w), start // m
         ck = full_kv[: n * m].view(n, m, -1)
         cg = full_gate[: n * m].view(n, m, -1) + self.position_bias
         if self.overlap:
@@ -79,7 +104,7 @@ class Compressor(nn.Module):
             ck, cg = pool_kv, pool_gate
         pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
         entries = rms_norm(pooled, self.kv_norm.weight, self.eps)
-        positions = start + torch.arange(n, device=x.device) * m
+        positions = start + torch.arange(n, device=kv.device) * m
         cos, sin = rope.cos_sin("compress", positions, entries.dtype)
         return apply_rope(entries, cos, sin), start // m
 
@@ -202,40 +227,42 @@ class Attention(nn.Module):
         query, the slots of the compressed entries it attends to ([T, K2] int32, -1 = none)."""
         comp = self.compressor
         assert comp is not None
-        d, m = self.config.head_dim, comp.rate
+        m = comp.rate
         csa = self.kind == CSA
         tables = batch.csa_tables if csa else batch.hca_tables
         Bc = cache.comp.shape[1]
-        per_seq: list[torch.Tensor] = []
-        for i in range(batch.num_seqs):
-            lo, hi = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-            ctx, slot = batch.context_lens[i], batch.state_slots[i]
-            xs, ps = x[lo:hi], batch.positions[lo:hi]
-            seq_i = torch.full((1,), i, device=x.device)
-            entries, first = comp.compress(xs, ctx, cache.state["compressor"], slot, rope)
-            if entries.shape[0]:
+
+        def store(pool: torch.Tensor, compressor: Compressor, state: CompressorState) -> None:
+            for i, entries, first in compressor.compress_batch(x, batch, state, rope):
                 idx = first + torch.arange(entries.shape[0], device=x.device)
-                cache.comp.view(-1, d)[slots_of(tables, seq_i.expand_as(idx), idx, Bc)] = entries.to(cache.comp.dtype)
-            total = (ctx + hi - lo) // m  # entries of this sequence after this step
-            if csa:
-                ix = comp.indexer
-                ikeys, ifirst = ix.compress(xs, ctx, cache.state["indexer"], slot, rope)
-                dI = ix.width
-                if ikeys.shape[0]:
-                    idx = ifirst + torch.arange(ikeys.shape[0], device=x.device)
-                    cache.index.view(-1, dI)[slots_of(tables, seq_i.expand_as(idx), idx, Bc)] = ikeys.to(cache.index.dtype)
-                all_idx = torch.arange(total, device=x.device)
-                keys = cache.index.view(-1, dI)[slots_of(tables, seq_i.expand_as(all_idx), all_idx, Bc)]
-                cos, sin = rope.cos_sin("compress", ps, x.dtype)
-                chosen = ix.select(xs, q_res[lo:hi], ps, keys, cos, sin)
-            else:  # HCA: every closed window is visible
-                visible = torch.div(ps + 1, m, rounding_mode="floor")
-                chosen = torch.arange(total, device=x.device)[None, :].expand(hi - lo, total)
-                chosen = torch.where(chosen < visible[:, None], chosen, -1)
-            slots = slots_of(tables, seq_i.expand_as(chosen), chosen.clamp(min=0), Bc)
-            per_seq.append(torch.where(chosen >= 0, slots, -1))
-        width = max([t.shape[1] for t in per_seq] + [0])
+                flat = pool.view(-1, pool.shape[-1])
+                flat[slots_of(tables, torch.full_like(idx, i), idx, Bc)] = entries.to(pool.dtype)
+
+        store(cache.comp, comp, cache.state["compressor"])
+        # Entries of each sequence after this step; a query sees those of windows closed at or
+        # before its position.
+        totals = [(batch.context_lens[i] + batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]) // m
+                  for i in range(batch.num_seqs)]
+        if not csa:  # HCA: every closed window is visible, for all queries at once
+            width = max(totals + [0])
+            visible = torch.div(batch.positions + 1, m, rounding_mode="floor")
+            chosen = torch.arange(width, device=x.device)[None, :].expand(x.shape[0], width)
+            chosen = torch.where(chosen < visible[:, None], chosen, -1)
+            slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), Bc)
+            return torch.where(chosen >= 0, slots, -1).to(torch.int32)
+        ix = comp.indexer
+        store(cache.index, ix, cache.state["indexer"])
+        dI = ix.width
+        width = max([min(ix.topk, t) for t in totals] + [0])  # each query's top-k at most
         out = torch.full((x.shape[0], width), -1, dtype=torch.int32, device=x.device)
-        for i, t in enumerate(per_seq):
-            out[batch.cu_seqlens[i]:batch.cu_seqlens[i + 1], : t.shape[1]] = t.to(torch.int32)
+        for i in range(batch.num_seqs):  # CSA: each query's top-k by the indexer's scores
+            lo, hi = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+            ps = batch.positions[lo:hi]
+            all_idx = torch.arange(totals[i], device=x.device)
+            seq_i = torch.full_like(all_idx, i)
+            keys = cache.index.view(-1, dI)[slots_of(tables, seq_i, all_idx, Bc)]
+            cos, sin = rope.cos_sin("compress", ps, x.dtype)
+            chosen = ix.select(x[lo:hi], q_res[lo:hi], ps, keys, cos, sin)
+            slots = slots_of(tables, torch.full_like(chosen, i), chosen.clamp(min=0), Bc)
+            out[lo:hi, : chosen.shape[1]] = torch.where(chosen >= 0, slots, -1).to(torch.int32)
         return out

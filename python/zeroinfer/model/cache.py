@@ -114,6 +114,13 @@ class ForwardBatch:
         return seq
 
 
+def host_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of host values on `device`, copied without a host synchronisation (a
+    pinned buffer and a non-blocking copy on CUDA), so it can sit inside the launch path."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def slots_of(tables: torch.Tensor, seq: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat cache slots of logical indices `index` (>= 0) of sequences `seq` (same shape)."""
     blocks = tables[seq, torch.div(index, block_size, rounding_mode="floor")].long()
