@@ -497,14 +497,14 @@ def indexer_boundary_ties(model, ids) -> int:
     ties = 0
     orig = Indexer.scores
 
-    def scores(self, *args):
+    def scores(self, q, weights, visible, keys):
         nonlocal ties
-        sc, visible = orig(self, *args)
+        sc = orig(self, q, weights, visible, keys)
         for row, v in zip(sc, visible.tolist()):
             if v > self.topk:
                 top = torch.sort(row[:v], descending=True).values
                 ties += int(top[self.topk - 1] == top[self.topk])
-        return sc, visible
+        return sc
 
     Indexer.scores = scores
     try:

@@ -126,12 +126,22 @@ class Indexer(Compressor):
         self.q_b_proj = dense(config.q_lora_rank, config.index_n_heads * config.index_head_dim, dtype)
         self.scorer = IndexerScorer(config.hidden_size, config.index_n_heads, dtype)
 
-    def select(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
-               keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One sequence: x [S, D], q_res [S, d_q], positions [S], keys [n_entries, d_I] (all
-        of the sequence's entries so far). Returns entry indices [S, min(topk, n)], -1 where
-        a query has fewer visible entries."""
-        scores, visible = self.scores(x, q_res, positions, keys, cos, sin)
+    def queries(self, x: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query's index heads, rotated, q [T, heads, d_I] float32, and head weights
+        [T, heads] float32: one projection call each for the whole batch (x [T, D], q_res
+        [T, d_q], cos / sin of the compress table at the queries' positions)."""
+        T = x.shape[0]
+        q = apply_rope(self.q_b_proj(q_res).view(T, self.heads, self.width), cos, sin).float()
+        return q, self.scorer.weights_proj(x).float() * self.heads**-0.5
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
+               keys: torch.Tensor) -> torch.Tensor:
+        """One sequence: its queries' q [S, heads, d_I] and weights [S, heads] (`queries`), the
+        entries each query sees [S] ((position + 1) // rate), keys [n_entries, d_I] (all of the
+        sequence's entries so far). Returns entry indices [S, min(topk, n)], -1 where a query
+        has fewer visible entries."""
+        scores = self.scores(q, weights, visible, keys)
         # ReLU scores are often exactly 0, so ties are real: break them by entry index (a stable
         # sort) so the choice never depends on how many entries the scored row happens to hold
         # (chunked prefill, batch composition).
@@ -139,21 +149,17 @@ class Indexer(Compressor):
         top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(self.topk, n)]
         return torch.where(top >= visible[:, None], -1, top)
 
-    def scores(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
-               keys: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index scores [S, n_entries] float32 with -inf past each query's visible entries,
-        visible entry counts [S]) of `select`."""
-        S, n = x.shape[0], keys.shape[0]
-        q = apply_rope(self.q_b_proj(q_res).view(S, self.heads, self.width), cos, sin)
-        qf, _ = pad_rows(q.float().reshape(S * self.heads, self.width))
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
+               keys: torch.Tensor) -> torch.Tensor:
+        """Index scores [S, n_entries] float32 of `select`, -inf past each query's visible
+        entries."""
+        S, n = q.shape[0], keys.shape[0]
+        qf, _ = pad_rows(q.reshape(S * self.heads, self.width))
         scores = torch.relu((qf @ keys.float().t())[: S * self.heads].view(S, self.heads, n))
         scores = scores * self.width**-0.5
-        weights = self.scorer.weights_proj(x).float() * self.heads**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, n]
-        visible = torch.div(positions + 1, self.rate, rounding_mode="floor")
-        future = torch.arange(n, device=x.device)[None, :] >= visible[:, None]
-        return scores.masked_fill(future, float("-inf")), visible
+        future = torch.arange(n, device=q.device)[None, :] >= visible[:, None]
+        return scores.masked_fill(future, float("-inf"))
 
 
 class CSACompressor(Compressor):
@@ -209,7 +215,8 @@ class Attention(nn.Module):
 
         extra_cache = extra_idx = None
         if self.compressor is not None:
-            extra_cache, extra_idx = cache.comp, self._compressed_indices(x, q_res, batch, seq, cache, rope)
+            extra_idx = self._compressed_indices(x, q_res, batch, seq, cache, rope, cos, sin)
+            extra_cache = cache.comp
         out, _ = ops.sparse_mla_attention(
             q.contiguous(), cache.window, win_idx.contiguous(), d**-0.5, attn_sink=self.sinks,
             extra_kv_cache=extra_cache, extra_indices=extra_idx)
@@ -222,9 +229,10 @@ class Attention(nn.Module):
         return self.o_b_proj(y)
 
     def _compressed_indices(self, x, q_res, batch: ForwardBatch, seq, cache: LayerCache,
-                            rope: RopeTables) -> torch.Tensor:
+                            rope: RopeTables, cos, sin) -> torch.Tensor:
         """Compress this step's tokens of every sequence into the layer's cache and return, per
-        query, the slots of the compressed entries it attends to ([T, K2] int32, -1 = none)."""
+        query, the slots of the compressed entries it attends to ([T, K2] int32, -1 = none).
+        cos / sin: the layer's (the compress table) at the queries' positions."""
         comp = self.compressor
         assert comp is not None
         m = comp.rate
@@ -243,26 +251,29 @@ class Attention(nn.Module):
         # before its position.
         totals = [(batch.context_lens[i] + batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]) // m
                   for i in range(batch.num_seqs)]
+        visible = torch.div(batch.positions + 1, m, rounding_mode="floor")
         if not csa:  # HCA: every closed window is visible, for all queries at once
             width = max(totals + [0])
-            visible = torch.div(batch.positions + 1, m, rounding_mode="floor")
             chosen = torch.arange(width, device=x.device)[None, :].expand(x.shape[0], width)
             chosen = torch.where(chosen < visible[:, None], chosen, -1)
             slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), Bc)
             return torch.where(chosen >= 0, slots, -1).to(torch.int32)
         ix = comp.indexer
         store(cache.index, ix, cache.state["indexer"])
-        dI = ix.width
+        iq, iw = ix.queries(x, q_res, cos, sin)
+        # Every sequence's entry slots, one row a sequence (past a sequence's own entries: slots
+        # of no use, read by nobody; unused table entries -1 clamped to slot 0).
+        n_max = max(totals + [0])
+        seqs = torch.arange(batch.num_seqs, device=x.device)[:, None].expand(-1, n_max)
+        entry = torch.arange(n_max, device=x.device)[None, :].expand(batch.num_seqs, -1)
+        entry_slots = slots_of(tables, seqs, entry, Bc).clamp(min=0)
+        keys_of = cache.index.view(-1, ix.width)
         width = max([min(ix.topk, t) for t in totals] + [0])  # each query's top-k at most
-        out = torch.full((x.shape[0], width), -1, dtype=torch.int32, device=x.device)
+        chosen = torch.full((x.shape[0], width), -1, dtype=torch.int64, device=x.device)
         for i in range(batch.num_seqs):  # CSA: each query's top-k by the indexer's scores
             lo, hi = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-            ps = batch.positions[lo:hi]
-            all_idx = torch.arange(totals[i], device=x.device)
-            seq_i = torch.full_like(all_idx, i)
-            keys = cache.index.view(-1, dI)[slots_of(tables, seq_i, all_idx, Bc)]
-            cos, sin = rope.cos_sin("compress", ps, x.dtype)
-            chosen = ix.select(x[lo:hi], q_res[lo:hi], ps, keys, cos, sin)
-            slots = slots_of(tables, torch.full_like(chosen, i), chosen.clamp(min=0), Bc)
-            out[lo:hi, : chosen.shape[1]] = torch.where(chosen >= 0, slots, -1).to(torch.int32)
-        return out
+            keys = keys_of[entry_slots[i, : totals[i]]]
+            top = ix.select(iq[lo:hi], iw[lo:hi], visible[lo:hi], keys)
+            chosen[lo:hi, : top.shape[1]] = top
+        slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), Bc)
+        return torch.where(chosen >= 0, slots, -1).to(torch.int32)
