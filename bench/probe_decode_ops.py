@@ -9,9 +9,10 @@ Per batch size: a prefill and one decode round first, then one decode round coun
 torch function mode, which sees every torch call made from Python (tensor methods and factory
 functions included, attribute reads such as .shape excluded), attributed to the innermost
 zeroinfer function on the stack. The emulated CPU device runs the round inline so its calls are
-seen. Measured (session 35): the 4-layer dummy model at batch 1 / 8 made 2910 / 5290 calls a
-step at a83ed14 (1136 of them the hyper-connections' Sinkhorn loops), 1800 / 4068 with
-mhc_mixes and the one-op row padding.
+seen. Measured (session 35), the 4-layer dummy model at batch 1 / 8 / 32: 2910 / 5290 / 13358
+calls a step at a83ed14 (1136 of them the hyper-connections' Sinkhorn loops; most of the rest at
+batch 32 the compressors' and indexer's per-sequence loops), 1768 / 2160 / 3444 with mhc_mixes
+and the batched compressors and indexer projections.
 """
 
 from __future__ import annotations
