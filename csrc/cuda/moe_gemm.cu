@@ -66,6 +66,7 @@
 #include "launch.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
+#include "zeroinfer/cuda_runtime.h"
 #include "zeroinfer/moe_gemm.h"
 #include "zeroinfer/numeric.h"
 
@@ -2059,8 +2060,7 @@ void launch_tile(int tile, const Mxfp4CudaGemmParams& p, cudaStream_t stream) {
 // Whether the float8 tiny tile runs its plain loop (3 stages ahead) rather than the skewed one
 // (2 ahead) on the current device: where the HBM bandwidth per SM is high (the H200: ~37 GB/s an
 // SM; the H100 SXM ~25) a CTA needs the third stage of loads in flight more than it gains from
-// hiding its short wgmma chain. Peak bandwidth from the memory clock and bus width (DDR: 2
-// transfers a clock), cached per device.
+// hiding its short wgmma chain (cuda::peak_memory_bytes_per_s; cached per device).
 bool mxfp4_fp8_tiny_plain_loop(int requested) {
   if (requested != 0) return requested == 1;
   constexpr int kMaxDevices = 64;
@@ -2069,12 +2069,9 @@ bool mxfp4_fp8_tiny_plain_loop(int requested) {
   ZI_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < kMaxDevices && cached[dev].load(std::memory_order_relaxed) != 0)
     return cached[dev].load(std::memory_order_relaxed) == 1;
-  int clock_khz = 0, bus_bits = 0, sms = 0;
-  ZI_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, dev));
-  ZI_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev));
+  int sms = 0;
   ZI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const double bytes_per_s = 2.0 * clock_khz * 1e3 * (bus_bits / 8.0);
-  const bool plain = sms > 0 && bytes_per_s / sms >= 30e9;
+  const bool plain = sms > 0 && cuda::peak_memory_bytes_per_s(dev) / sms >= 30e9;
   if (dev < kMaxDevices) cached[dev].store(plain ? 1 : 2, std::memory_order_relaxed);
   return plain;
 }
