@@ -67,7 +67,6 @@ def main() -> None:
     dev = args.device
     cuda = dev == "cuda"
     ceilings = bench.measure_cuda_ceilings() if cuda else None
-    timer = bench.time_cuda if cuda else bench.time_cpu
     gen = torch.Generator().manual_seed(0)
     rows = []
     for R in (1, 8, 64, 256, 1024, 4096):
@@ -77,25 +76,12 @@ def main() -> None:
             ours, theirs = correct_lengths(*a), torch_correct(*a)
             assert all(torch.equal(x, y.to(torch.int32)) for x, y in zip(ours, theirs)), (R, S)
             out = CorrectedLengths(*(torch.empty_like(t) for t in ours))
-            t_ours = timer(lambda: correct_lengths(*a))
-            t_torch = timer(lambda: torch_correct(*a))
-            fill = lambda: correct_lengths(*a, out=out)  # noqa: E731
-            row = {"rows": R, "tokens_per_row": S,
-                   **bench.roofline_row(seconds=t_ours, bytes_moved=op_bytes(R, R * S), flops=0,
-                                        ceilings=ceilings,
-                                        kernel_seconds=bench.time_kernels(fill) if cuda else None),
-                   "torch_us": t_torch * 1e6, "speedup_vs_torch": t_torch / t_ours}
-            if cuda:
-                row["graph_us"] = bench.time_cuda_graph(fill) * 1e6
-            rows.append(row)
-    cols = ["rows", "tokens_per_row", "bytes", "time_us"]
-    cols += ["graph_us", "kernel_us", "kernel_fraction_of_floor"] if cuda else []
-    cols += ["torch_us", "speedup_vs_torch"]
-    bench.print_table(rows, cols)
-    timing = ("time_us: the op called eagerly, CUDA events, L2 flushed before each call; graph_us: "
-              "its CUDA-graph replay with preallocated outputs; kernel_us: its own device work "
-              "(CUPTI); torch_us: the vectorised torch path called eagerly")
-    extra = {"ceilings": ceilings, "timing": timing} if cuda else None
+            rows.append({"rows": R, "tokens_per_row": S, **bench.small_op_row(
+                lambda: correct_lengths(*a), lambda: correct_lengths(*a, out=out),
+                lambda: torch_correct(*a), bytes_moved=op_bytes(R, R * S), ceilings=ceilings,
+                cuda=cuda)})
+    bench.print_table(rows, ["rows", "tokens_per_row", *bench.small_op_columns(cuda)])
+    extra = {"ceilings": ceilings, "timing": bench.SMALL_OP_TIMING} if cuda else None
     path = bench.write_results("length_correction", rows, device=dev, extra=extra,
                                out_dir=args.out_dir)
     print(f"wrote {path}")

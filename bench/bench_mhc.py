@@ -46,38 +46,26 @@ def main() -> None:
     dev = args.device
     cuda = dev == "cuda"
     ceilings = bench.measure_cuda_ceilings() if cuda else None
-    timer = bench.time_cuda if cuda else bench.time_cpu
     gen = torch.Generator().manual_seed(0)
     width = (2 + STREAMS) * STREAMS
+    kw = dict(streams=STREAMS, iters=ITERS, eps=EPS)
     rows = []
     for tokens in (1, 8, 64, 512, 4096):
         z = (torch.randn(tokens, width, generator=gen) * 3).to(dev)
         scale = (torch.rand(3, generator=gen) + 0.25).to(dev)
         base = torch.randn(width, generator=gen).to(dev)
-        kw = dict(streams=STREAMS, iters=ITERS, eps=EPS)
+        ours = mhc_mixes(z, scale, base, **kw)
         # A fast wrong kernel must not post a number: it agrees with the torch form first.
-        for got, want in zip(mhc_mixes(z, scale, base, **kw), torch_mixes(z, scale, base)):
+        for got, want in zip(ours, torch_mixes(z, scale, base)):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        out = MhcMixes(*(torch.empty_like(t) for t in mhc_mixes(z, scale, base, **kw)))
+        out = MhcMixes(*(torch.empty_like(t) for t in ours))
+        call = lambda: mhc_mixes(z, scale, base, **kw)  # noqa: E731
         fill = lambda: mhc_mixes(z, scale, base, **kw, out=out)  # noqa: E731
-        t_ours = timer(lambda: mhc_mixes(z, scale, base, **kw))
-        t_torch = timer(lambda: torch_mixes(z, scale, base))
-        row = {"tokens": tokens, "streams": STREAMS, "iters": ITERS,
-               **bench.roofline_row(seconds=t_ours, bytes_moved=op_bytes(tokens), flops=0,
-                                    ceilings=ceilings,
-                                    kernel_seconds=bench.time_kernels(fill) if cuda else None),
-               "torch_us": t_torch * 1e6, "speedup_vs_torch": t_torch / t_ours}
-        if cuda:
-            row["graph_us"] = bench.time_cuda_graph(fill) * 1e6
-        rows.append(row)
-    cols = ["tokens", "bytes", "time_us"]
-    cols += ["graph_us", "kernel_us", "kernel_fraction_of_floor"] if cuda else []
-    cols += ["torch_us", "speedup_vs_torch"]
-    bench.print_table(rows, cols)
-    timing = ("time_us: the op called eagerly, CUDA events, L2 flushed before each call; graph_us: "
-              "its CUDA-graph replay with preallocated outputs; kernel_us: its own device work "
-              "(CUPTI); torch_us: the model's former torch form called eagerly")
-    extra = {"ceilings": ceilings, "timing": timing} if cuda else None
+        rows.append({"tokens": tokens, "streams": STREAMS, "iters": ITERS, **bench.small_op_row(
+            call, fill, lambda: torch_mixes(z, scale, base), bytes_moved=op_bytes(tokens),
+            ceilings=ceilings, cuda=cuda)})
+    bench.print_table(rows, ["tokens", *bench.small_op_columns(cuda)])
+    extra = {"ceilings": ceilings, "timing": bench.SMALL_OP_TIMING} if cuda else None
     path = bench.write_results("mhc", rows, device=dev, extra=extra, out_dir=args.out_dir)
     print(f"wrote {path}")
 

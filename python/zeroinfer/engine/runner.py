@@ -19,7 +19,7 @@ import torch
 
 from zeroinfer import ops
 from zeroinfer.engine.scheduler import RoundResult, ScheduledBatch
-from zeroinfer.model.cache import ForwardBatch, LayerCache
+from zeroinfer.model.cache import ForwardBatch, LayerCache, host_tensor
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from zeroinfer.sampling.sampler import SamplingBatch, sample
 
@@ -147,10 +147,7 @@ class ModelRunner:
                               [rows[i].start + rows[i].num_tokens for i in sample_rows]))
 
     def _tensor(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self.cuda:
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return host_tensor(data, self.device, dtype)
 
     # --- device side ------------------------------------------------------------------------
     def launch(self, batch: ScheduledBatch, prev: RoundHandle | None) -> RoundHandle:

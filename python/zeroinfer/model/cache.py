@@ -114,10 +114,10 @@ class ForwardBatch:
         return seq
 
 
-def host_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of host values on `device`, copied without a host synchronisation (a
+def host_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A tensor of host values (a list) on `device`, copied without a host synchronisation (a
     pinned buffer and a non-blocking copy on CUDA), so it can sit inside the launch path."""
-    t = torch.tensor(values, dtype=torch.int64)
+    t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 

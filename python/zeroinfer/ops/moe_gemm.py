@@ -9,6 +9,7 @@ layout: `mxfp4_prepack(w, w_scale) -> Mxfp4PackedWeights`, passed in place of `w
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -414,11 +415,8 @@ def _launch_cuda(a, pw, a_scale, offsets, counts, masked_m, out, num_experts, m_
             ptr(counts), ptr(masked_m), ptr(out),
             dtype_code(out), num_experts, m_rows, cap, pw.n, k, fuse, limit, _FORCE_TILE,
             ptr(a_kslot), s_row, s_k)
-    if dev.index is not None and dev.index != torch.cuda.current_device():
-        with torch.cuda.device(dev):
-            _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev), ptr(route_ids), route_div,
-                                       _FORCE_FP8_TINY_LOOP)
-    else:
+    other = dev.index is not None and dev.index != torch.cuda.current_device()
+    with torch.cuda.device(dev) if other else contextlib.nullcontext():
         _C.mxfp4_grouped_gemm_cuda(*args, stream_of(dev), ptr(route_ids), route_div,
                                    _FORCE_FP8_TINY_LOOP)
 

@@ -267,6 +267,34 @@ def roofline_row(*, seconds: float, bytes_moved: float, flops: float,
     return row
 
 
+def small_op_row(call: Callable[[], object], fill: Callable[[], object],
+                 torch_call: Callable[[], object], *, bytes_moved: float,
+                 ceilings: dict[str, float] | None, cuda: bool) -> dict[str, float | None]:
+    """Timings of a launch-bound op (a few KB to MB): `call` eagerly (time_us and the roofline
+    fields), `fill` (the same call into preallocated outputs) as a CUDA-graph replay (graph_us)
+    and by its own device work (kernel_us), and `torch_call`, the torch path (torch_us,
+    speedup_vs_torch). On CPU: time_cpu, no graph or kernel time."""
+    timer = time_cuda if cuda else time_cpu
+    t_ours, t_torch = timer(call), timer(torch_call)
+    row = roofline_row(seconds=t_ours, bytes_moved=bytes_moved, flops=0, ceilings=ceilings,
+                       kernel_seconds=time_kernels(fill) if cuda else None)
+    row.update(torch_us=t_torch * 1e6, speedup_vs_torch=t_torch / t_ours)
+    if cuda:
+        row["graph_us"] = time_cuda_graph(fill) * 1e6
+    return row
+
+
+def small_op_columns(cuda: bool) -> list[str]:
+    """print_table columns of small_op_row's fields."""
+    gpu = ["graph_us", "kernel_us", "kernel_fraction_of_floor"] if cuda else []
+    return ["bytes", "time_us", *gpu, "torch_us", "speedup_vs_torch"]
+
+
+SMALL_OP_TIMING = ("time_us: the op called eagerly, CUDA events, L2 flushed before each call; "
+                   "graph_us: its CUDA-graph replay with preallocated outputs; kernel_us: its own "
+                   "device work (CUPTI); torch_us: the torch path called eagerly")
+
+
 def print_table(rows: Sequence[dict[str, object]], columns: Sequence[str]) -> None:
     def fmt(v: object) -> str:
         if isinstance(v, float):
