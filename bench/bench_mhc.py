@@ -1,25 +1,30 @@
-"""Benchmark mhc_mixes (a hyper-connection's pre / post / Sinkhorn comb in one launch) against the
-torch form it replaced in the model (a softmax and 2 * (iters - 1) + 1 normalisations, ~130
-calls), at V4's shape: 4 streams, 20 Sinkhorn iterations.
+"""Benchmark the mHC ops against the torch forms they replaced in the model, at V4's shape (4
+streams, 20 Sinkhorn iterations, hidden 4096): mhc_mixes (a hyper-connection's pre / post /
+Sinkhorn comb in one launch; in torch a softmax and 2 * (iters - 1) + 1 normalisations, ~130
+calls), mhc_collapse and mhc_mix (the streams into the block's input and the block's output back
+into the streams; ~20 torch calls each). The streams are bf16 on CUDA, float32 on CPU (the
+engine's dtypes there).
 
   python bench/bench_mhc.py                 # CPU twin vs torch (CPU)
   python bench/bench_mhc.py --device cuda   # CUDA kernel vs torch (CUDA)
 
-The op moves a few hundred bytes a token, so on a GPU it is bound by launch latency up to
-thousands of tokens: what matters is one launch instead of ~130. Timed as the other op
+mhc_mixes moves a few hundred bytes a token, so on a GPU it is bound by launch latency up to
+thousands of tokens: what matters is one launch instead of ~130. The collapse and the mix move
+~40-80 KB a token (bf16): launch-bound at decode, bandwidth-bound at prefill. Timed as the other op
 benchmarks: `time_us` the eager call (L2 flushed before each), `graph_us` its CUDA-graph replay
 with preallocated outputs, `kernel_us` the kernel's own device time (CUPTI); `bytes` the fewest
-the op must move (z, scale, base read; pre, post, comb written).
+the op must move (mixes: z, scale, base read, pre, post, comb written; collapse: streams and pre
+read, the input written; mix: streams, block output, post and comb read, new streams written).
 """
 
 from __future__ import annotations
 
 import torch
 
-from zeroinfer.ops import MhcMixes, mhc_mixes
+from zeroinfer.ops import MhcMixes, mhc_collapse, mhc_mix, mhc_mixes
 from zeroinfer.testing import bench
 
-STREAMS, ITERS, EPS = 4, 20, 1e-6
+STREAMS, ITERS, EPS, HIDDEN = 4, 20, 1e-6, 4096
 
 
 def torch_mixes(z, scale, base, n=STREAMS, iters=ITERS, eps=EPS):
@@ -34,6 +39,54 @@ def torch_mixes(z, scale, base, n=STREAMS, iters=ITERS, eps=EPS):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return pre, post, comb
+
+
+def torch_collapse(pre, streams):
+    """The model's torch form before mhc_collapse (python/zeroinfer/model/mhc.py at 9c1fbd3)."""
+    out = pre[:, 0, None] * streams[:, 0].float()
+    for n in range(1, streams.shape[1]):
+        out = out + pre[:, n, None] * streams[:, n].float()
+    return out.to(streams.dtype)
+
+
+def torch_mix(streams, out, post, comb):
+    """The model's torch form before mhc_mix (python/zeroinfer/model/mhc.py at 9c1fbd3)."""
+    dtype = streams.dtype
+    comb = comb.to(dtype)
+    mixed = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
+    for j in range(streams.shape[1]):
+        mixed = mixed + comb[:, j, :, None] * streams[:, j, None, :]
+    return mixed
+
+
+def apply_rows(dev, dtype, ceilings, gen):
+    """Rows of mhc_collapse and mhc_mix; each checked bitwise against its torch form first."""
+    cuda = dev == "cuda"
+    n, d, es = STREAMS, HIDDEN, torch.finfo(dtype).bits // 8
+    rows = []
+    for tokens in (1, 8, 64, 512, 4096) if cuda else (1, 8, 64, 512):
+        streams = (torch.randn(tokens, n, d, generator=gen) * 2).to(dev, dtype)
+        block = torch.randn(tokens, d, generator=gen).to(dev, dtype)
+        z = (torch.randn(tokens, (2 + n) * n, generator=gen) * 3).to(dev)
+        scale = (torch.rand(3, generator=gen) + 0.25).to(dev)
+        base = torch.randn((2 + n) * n, generator=gen).to(dev)
+        pre, post, comb = mhc_mixes(z, scale, base, streams=n, iters=ITERS, eps=EPS)
+        assert torch.equal(mhc_collapse(pre, streams), torch_collapse(pre, streams))
+        assert torch.equal(mhc_mix(streams, block, post, comb),
+                           torch_mix(streams, block, post, comb))
+        x_out, y_out = torch.empty_like(block), torch.empty_like(streams)
+        common = {"tokens": tokens, "streams": n, "hidden": d, "dtype": str(dtype).split(".")[1]}
+        rows.append({"op": "collapse", **common, **bench.small_op_row(
+            lambda: mhc_collapse(pre, streams), lambda: mhc_collapse(pre, streams, out=x_out),
+            lambda: torch_collapse(pre, streams),
+            bytes_moved=tokens * (n * d * es + n * 4 + d * es), ceilings=ceilings, cuda=cuda)})
+        rows.append({"op": "mix", **common, **bench.small_op_row(
+            lambda: mhc_mix(streams, block, post, comb),
+            lambda: mhc_mix(streams, block, post, comb, out=y_out),
+            lambda: torch_mix(streams, block, post, comb),
+            bytes_moved=tokens * (2 * n * d * es + d * es + (n + n * n) * 4), ceilings=ceilings,
+            cuda=cuda)})
+    return rows
 
 
 def op_bytes(tokens, n=STREAMS):
@@ -61,10 +114,11 @@ def main() -> None:
         out = MhcMixes(*(torch.empty_like(t) for t in ours))
         call = lambda: mhc_mixes(z, scale, base, **kw)  # noqa: E731
         fill = lambda: mhc_mixes(z, scale, base, **kw, out=out)  # noqa: E731
-        rows.append({"tokens": tokens, "streams": STREAMS, "iters": ITERS, **bench.small_op_row(
-            call, fill, lambda: torch_mixes(z, scale, base), bytes_moved=op_bytes(tokens),
-            ceilings=ceilings, cuda=cuda)})
-    bench.print_table(rows, ["tokens", *bench.small_op_columns(cuda)])
+        row = bench.small_op_row(call, fill, lambda: torch_mixes(z, scale, base),
+                                 bytes_moved=op_bytes(tokens), ceilings=ceilings, cuda=cuda)
+        rows.append({"op": "mixes", "tokens": tokens, "streams": STREAMS, "iters": ITERS, **row})
+    rows += apply_rows(dev, torch.bfloat16 if cuda else torch.float32, ceilings, gen)
+    bench.print_table(rows, ["op", "tokens", *bench.small_op_columns(cuda)])
     extra = {"ceilings": ceilings, "timing": bench.SMALL_OP_TIMING} if cuda else None
     path = bench.write_results("mhc", rows, device=dev, extra=extra, out_dir=args.out_dir)
     print(f"wrote {path}")

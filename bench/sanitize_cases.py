@@ -3,8 +3,8 @@
 
 import torch
 
-from zeroinfer.ops import (correct_lengths, mhc_mixes, moe_combine, moe_dispatch,
-                           sparse_mla_attention)
+from zeroinfer.ops import (correct_lengths, mhc_collapse, mhc_mix, mhc_mixes, moe_combine,
+                           moe_dispatch, rope_rotate, sparse_mla_attention)
 from zeroinfer.quant.kv_fp8 import quantize_kv_fp8
 
 gen = torch.Generator().manual_seed(1)
@@ -176,6 +176,17 @@ for T, n in [(1, 4), (131, 4), (300, 8)]:
     w = (2 + n) * n
     mhc_mixes(torch.randn(T, w, generator=gen).cuda(), torch.rand(3, generator=gen).cuda(),
               torch.randn(w, generator=gen).cuda(), streams=n, iters=20, eps=1e-6)
+
+# mHC collapse / mix and RoPE: a ragged last block (T * D not a multiple of 256), both dtypes.
+for dtype in (torch.float32, torch.bfloat16):
+    T, n, D = 7, 4, 300
+    s = torch.randn(T, n, D, generator=gen).to("cuda", dtype)
+    mhc_collapse(torch.rand(T, n, generator=gen).cuda(), s)
+    mhc_mix(s, torch.randn(T, D, generator=gen).to("cuda", dtype),
+            torch.rand(T, n, generator=gen).cuda(), torch.rand(T, n, n, generator=gen).cuda())
+    x = torch.randn(T, 3, 130, generator=gen).to("cuda", dtype)
+    rope_rotate(x, torch.rand(T, 32, generator=gen).to("cuda", dtype),
+                torch.rand(T, 32, generator=gen).to("cuda", dtype), inverse=dtype == torch.float32)
 
 torch.cuda.synchronize()
 print("sanitize cases done")

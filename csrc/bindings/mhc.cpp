@@ -26,6 +26,42 @@ void register_mhc(py::module_& m) {
         throw std::runtime_error("zeroinfer._C was built without CUDA");
 #endif
       });
+  def(m, "mhc_collapse",
+      [](bool cuda, int64_t num_tokens, int32_t streams, int64_t dim, int dtype, uintptr_t pre,
+         uintptr_t x_in, uintptr_t x_out, uintptr_t stream) {
+        MhcCollapseParams p{num_tokens, streams, dim, static_cast<DType>(dtype),
+                            as_ptr<const float>(pre), as_ptr<const void>(x_in),
+                            as_ptr<void>(x_out)};
+        py::gil_scoped_release nogil;
+        if (!cuda) {
+          mhc_collapse_cpu(p);
+          return;
+        }
+#ifdef ZEROINFER_WITH_CUDA
+        mhc_collapse_cuda(p, as_ptr<void>(stream));
+#else
+        (void)stream;
+        throw std::runtime_error("zeroinfer._C was built without CUDA");
+#endif
+      });
+  def(m, "mhc_mix",
+      [](bool cuda, int64_t num_tokens, int32_t streams, int64_t dim, int dtype, uintptr_t post,
+         uintptr_t comb, uintptr_t x_in, uintptr_t block, uintptr_t y_out, uintptr_t stream) {
+        MhcMixParams p{num_tokens, streams, dim, static_cast<DType>(dtype),
+                       as_ptr<const float>(post), as_ptr<const float>(comb),
+                       as_ptr<const void>(x_in), as_ptr<const void>(block), as_ptr<void>(y_out)};
+        py::gil_scoped_release nogil;
+        if (!cuda) {
+          mhc_mix_cpu(p);
+          return;
+        }
+#ifdef ZEROINFER_WITH_CUDA
+        mhc_mix_cuda(p, as_ptr<void>(stream));
+#else
+        (void)stream;
+        throw std::runtime_error("zeroinfer._C was built without CUDA");
+#endif
+      });
 }
 
 }  // namespace zi::bindings

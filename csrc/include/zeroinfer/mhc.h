@@ -119,4 +119,122 @@ void mhc_dispatch_streams(int streams, F&& f) {
 void mhc_mixes_cpu(const MhcMixesParams& p);
 void mhc_mixes_cuda(const MhcMixesParams& p, void* stream);
 
+// ---- applying the mixes to the residual streams -------------------------------------------
+// Elementwise per (token t, dim d), with the roundings of the torch form the model had (HF's):
+//   collapse   x[t, d]    = cast(sum_n pre[t, n] * float(streams[t, n, d]))    float32, n in order
+//   mix        y[t, k, d] = post'[t, k] * out[t, d] + sum_j comb'[t, j, k] * streams[t, j, d]
+//              post' and comb' cast to the streams' dtype first, every product and partial sum
+//              rounded to that dtype (bf16 or float32) as torch's separate ops round them, j in
+//              order (C transposed: input stream j feeds output stream k through comb[j, k]).
+// No fused multiply-adds (mul_rn / add_rn below; the CPU file is built with -ffp-contract=off),
+// so the CPU twin, the CUDA kernel and that torch form agree bitwise, and a token's result does
+// not depend on the batch. Two launches in place of ~20 torch calls each.
+struct MhcCollapseParams {
+  int64_t num_tokens;   // T
+  int32_t streams;      // N, 1..kMhcMaxStreams
+  int64_t dim;          // D
+  DType dtype;          // of streams and x: float32 or bfloat16
+  const float* pre;     // [T, N]
+  const void* x_in;     // streams [T, N, D]
+  void* x_out;          // x [T, D] out
+};
+
+struct MhcMixParams {
+  int64_t num_tokens;   // T
+  int32_t streams;      // N, 1..kMhcMaxStreams
+  int64_t dim;          // D
+  DType dtype;          // of streams, out and y: float32 or bfloat16
+  const float* post;    // [T, N]
+  const float* comb;    // [T, N, N]
+  const void* x_in;     // streams [T, N, D]
+  const void* block;    // the block's output [T, D]
+  void* y_out;          // y [T, N, D] out
+};
+
+namespace mhc_detail {
+
+// A product / sum rounded on its own: never contracted into a fused multiply-add.
+ZI_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+ZI_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// Storage of the streams: float, or bf16 as its bits.
+ZI_HD float to_float(float v) { return v; }
+ZI_HD float to_float(uint16_t v) { return bf16_to_float(v); }
+template <class T>
+ZI_HD T from_float(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return float_to_bf16(v);
+  }
+}
+// v rounded to T's precision, as a float.
+template <class T>
+ZI_HD float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+}  // namespace mhc_detail
+
+template <class T, int N>
+ZI_HD void mhc_collapse_elem(const MhcCollapseParams& p, int64_t t, int64_t d) {
+  using namespace mhc_detail;
+  const T* x = static_cast<const T*>(p.x_in) + t * N * p.dim + d;
+  const float* pre = p.pre + t * N;
+  float acc = mul_rn(pre[0], to_float(x[0]));
+  for (int n = 1; n < N; ++n) acc = add_rn(acc, mul_rn(pre[n], to_float(x[n * p.dim])));
+  static_cast<T*>(p.x_out)[t * p.dim + d] = from_float<T>(acc);
+}
+
+// All N output streams of (t, d): each input element is read once.
+template <class T, int N>
+ZI_HD void mhc_mix_elem(const MhcMixParams& p, int64_t t, int64_t d) {
+  using namespace mhc_detail;
+  const T* x = static_cast<const T*>(p.x_in) + t * N * p.dim + d;
+  float xs[N];
+  for (int j = 0; j < N; ++j) xs[j] = to_float(x[j * p.dim]);
+  const float o = to_float(static_cast<const T*>(p.block)[t * p.dim + d]);
+  const float* post = p.post + t * N;
+  const float* comb = p.comb + t * N * N;
+  T* y = static_cast<T*>(p.y_out) + t * N * p.dim + d;
+  for (int k = 0; k < N; ++k) {
+    float acc = round_to<T>(mul_rn(round_to<T>(post[k]), o));
+    for (int j = 0; j < N; ++j)
+      acc = round_to<T>(add_rn(acc, round_to<T>(mul_rn(round_to<T>(comb[j * N + k]), xs[j]))));
+    y[k * p.dim] = from_float<T>(acc);
+  }
+}
+
+// Calls f(T{}, std::integral_constant<int, N>{}) for the storage type and the stream count.
+template <class F>
+void mhc_dispatch_apply(DType dtype, int streams, F&& f) {
+  ZI_CHECK(dtype == DType::kFloat32 || dtype == DType::kBFloat16,
+           "mhc collapse / mix: streams must be float32 or bfloat16");
+  mhc_dispatch_streams(streams, [&](auto n) {
+    if (dtype == DType::kFloat32) {
+      f(float{}, n);
+    } else {
+      f(uint16_t{}, n);
+    }
+  });
+}
+
+void mhc_collapse_cpu(const MhcCollapseParams& p);
+void mhc_collapse_cuda(const MhcCollapseParams& p, void* stream);
+void mhc_mix_cpu(const MhcMixParams& p);
+void mhc_mix_cuda(const MhcMixParams& p, void* stream);
+
 }  // namespace zi

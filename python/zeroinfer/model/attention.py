@@ -220,7 +220,7 @@ class Attention(nn.Module):
         out, _ = ops.sparse_mla_attention(
             q.contiguous(), cache.window, win_idx.contiguous(), d**-0.5, attn_sink=self.sinks,
             extra_kv_cache=extra_cache, extra_indices=extra_idx)
-        out = apply_rope(out, cos, -sin)  # undo RoPE carried by V = K, at the query position
+        out = apply_rope(out, cos, sin, inverse=True)  # undo RoPE carried by V = K (query position)
         G = c.o_groups
         grouped, _ = pad_rows(out.reshape(T, G, H * d // G))
         w_a = self.o_a_proj.weight.view(G, c.o_lora_rank, H * d // G)

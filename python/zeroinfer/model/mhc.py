@@ -12,16 +12,6 @@ from zeroinfer.model.linear import linear, pad_rows
 from zeroinfer.model.norm import rms_norm_unweighted
 
 
-def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """sum_n pre[:, n] * streams[:, n] in float32, in a fixed order. (torch's sum over a middle
-    dim picks its accumulation order from the shape, so a token's result would depend on the
-    batch size.)"""
-    out = pre[:, 0, None] * streams[:, 0].float()
-    for n in range(1, streams.shape[1]):
-        out = out + pre[:, n, None] * streams[:, n].float()
-    return out.to(streams.dtype)
-
-
 class HyperConnection(nn.Module):
     def __init__(self, hc_mult: int, hidden: int, iters: int, eps: float, norm_eps: float) -> None:
         super().__init__()
@@ -42,19 +32,14 @@ class HyperConnection(nn.Module):
         # pre, post and the Sinkhorn-normalised comb in one launch (~130 torch calls at 20 iters).
         pre, post, comb = ops.mhc_mixes(z, self.scale.float(), self.base.float(), streams=self.n,
                                         iters=self.iters, eps=self.eps)
-        return post[:T], comb[:T], collapse(pre, streams)[:T]
+        return post[:T], comb[:T], ops.mhc_collapse(pre[:T], streams[:T])
 
     @staticmethod
     def mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
-        """New stream k = post[k] * out + sum_j comb[j, k] * streams[j] (C transposed)."""
-        dtype = streams.dtype
-        comb = comb.to(dtype)
-        mixed = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
-        # An explicit sum over the N (=4) input streams, in a fixed order: elementwise ops keep
-        # every token's result independent of the batch (a batched matmul may not).
-        for j in range(streams.shape[1]):
-            mixed = mixed + comb[:, j, :, None] * streams[:, j, None, :]
-        return mixed
+        """New stream k = post[k] * out + sum_j comb[j, k] * streams[j] (C transposed), with HF's
+        roundings (post and comb cast to the streams' dtype, every product and sum rounded),
+        streams summed in order: a token's result does not depend on the batch."""
+        return ops.mhc_mix(streams, out, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -72,4 +57,4 @@ class HyperHead(nn.Module):
         flat = rms_norm_unweighted(streams.flatten(1).float(), self.norm_eps)
         pre = torch.sigmoid(linear(flat, self.hc_fn.float()) * self.hc_scale.float()
                             + self.hc_base.float()) + self.eps
-        return collapse(pre, streams)[:T]
+        return ops.mhc_collapse(pre[:T], streams[:T])

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from zeroinfer import ops
 from zeroinfer.model.config import ModelConfig, YarnScaling
 
 
@@ -52,13 +53,9 @@ class RopeTables:
         return (freqs.cos() * s).to(dtype), (freqs.sin() * s).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing 2*cos.shape[-1] channels of x [T, ..., d] in interleaved pairs.
-    cos/sin: [T, r/2]; they broadcast over the middle (head) dims."""
-    r = 2 * cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.float().view(shape), sin.float().view(shape)
-    rope = x[..., -r:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-r], out.to(x.dtype)], dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+               inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2*cos.shape[-1] channels of x [T, ..., d] in interleaved pairs, in
+    float32 with one rounding a product and a sum (HF's bits; inverse: by -angle). cos/sin:
+    [T, r/2]; they broadcast over the middle (head) dims."""
+    return ops.rope_rotate(x.contiguous(), cos, sin, inverse=inverse)

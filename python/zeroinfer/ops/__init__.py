@@ -7,15 +7,17 @@ float64 pure-torch reference, `<name>_ref`, which the tests use as the oracle.
 
 from zeroinfer.ops.dispatch_combine import MoeDispatch, moe_combine, moe_dispatch
 from zeroinfer.ops.length_correction import CorrectedLengths, correct_lengths
-from zeroinfer.ops.mhc import MHC_MAX_STREAMS, MhcMixes, mhc_mixes
+from zeroinfer.ops.mhc import MHC_MAX_STREAMS, MhcMixes, mhc_collapse, mhc_mix, mhc_mixes
 from zeroinfer.ops.moe_gemm import (MXFP4_ROUTED_MAX_ROWS, Mxfp4PackedWeights,
                                      mxfp4_act_scale_mn_major, mxfp4_grouped_gemm, mxfp4_prepack,
                                      mxfp4_unpack)
+from zeroinfer.ops.rope import rope_rotate
 from zeroinfer.ops.sparse_mla import sparse_mla_attention
 from zeroinfer.reference.dispatch_combine import moe_combine_ref, moe_dispatch_ref
 from zeroinfer.reference.length_correction import correct_lengths_ref
-from zeroinfer.reference.mhc import mhc_mixes_ref
+from zeroinfer.reference.mhc import mhc_collapse_ref, mhc_mix_ref, mhc_mixes_ref
 from zeroinfer.reference.moe_gemm import mxfp4_grouped_gemm_ref
+from zeroinfer.reference.rope import rope_rotate_ref
 from zeroinfer.reference.sparse_mla import sparse_mla_attention_ref
 
 __all__ = [
@@ -27,6 +29,10 @@ __all__ = [
     "Mxfp4PackedWeights",
     "correct_lengths",
     "correct_lengths_ref",
+    "mhc_collapse",
+    "mhc_collapse_ref",
+    "mhc_mix",
+    "mhc_mix_ref",
     "mhc_mixes",
     "mhc_mixes_ref",
     "moe_combine",
@@ -38,6 +44,8 @@ __all__ = [
     "mxfp4_grouped_gemm_ref",
     "mxfp4_prepack",
     "mxfp4_unpack",
+    "rope_rotate",
+    "rope_rotate_ref",
     "sparse_mla_attention",
     "sparse_mla_attention_ref",
 ]

@@ -1,5 +1,6 @@
-"""Reference for mhc_mixes in float64, written from V4's definition of a hyper-connection's
-mixes (../shared/reference/deepseek-v4-architecture.md section 2), one token at a time."""
+"""References for the mHC ops in float64, written from V4's definition of a hyper-connection
+(../shared/reference/deepseek-v4-architecture.md section 2): the mixes one token at a time, the
+collapse and the mix as whole-tensor sums."""
 
 from __future__ import annotations
 
@@ -39,3 +40,17 @@ def mhc_mixes_ref(z, scale, base, *, streams, iters, eps):
     t = len(pre)
     return (torch.tensor(pre, dtype=f64).view(t, n), torch.tensor(post, dtype=f64).view(t, n),
             torch.tensor(comb, dtype=f64).view(t, n, n))
+
+
+def mhc_collapse_ref(pre, streams):
+    """sum_n pre[:, n] * streams[:, n]: [T, D] float64 on the CPU."""
+    pre, streams = pre.detach().cpu().double(), streams.detach().cpu().double()
+    return (pre[:, :, None] * streams).sum(1)
+
+
+def mhc_mix_ref(streams, block_out, post, comb):
+    """y[t, k] = post[t, k] * block_out[t] + sum_j comb[t, j, k] * streams[t, j]: [T, N, D]
+    float64 on the CPU."""
+    streams, block_out, post, comb = (t.detach().cpu().double()
+                                      for t in (streams, block_out, post, comb))
+    return post[:, :, None] * block_out[:, None, :] + torch.einsum("tjk,tjd->tkd", comb, streams)
