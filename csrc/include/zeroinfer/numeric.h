@@ -11,6 +11,7 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
 #define ZI_HD __host__ __device__ __forceinline__
 #else
 #define ZI_HD inline
@@ -43,8 +44,14 @@ ZI_HD float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_
 ZI_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_to_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+#if defined(__CUDA_ARCH__)
+  // The same rounding in one cvt.rn.bf16.f32 (the integer form costs ~5 instructions: it made
+  // the elementwise mhc_mix compute-bound).
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
   return static_cast<uint16_t>(u >> 16);
+#endif
 }
 
 ZI_HD float fp8e4m3_to_float(uint8_t b) {
