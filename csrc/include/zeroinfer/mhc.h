@@ -126,7 +126,7 @@ void mhc_mixes_cuda(const MhcMixesParams& p, void* stream);
 //              post' and comb' cast to the streams' dtype first, every product and partial sum
 //              rounded to that dtype (bf16 or float32) as torch's separate ops round them, j in
 //              order (C transposed: input stream j feeds output stream k through comb[j, k]).
-// No fused multiply-adds (mul_rn / add_rn below; the CPU file is built with -ffp-contract=off),
+// No fused multiply-adds (mul_rn / add_rn, zeroinfer/numeric.h; the CPU file: -ffp-contract=off),
 // so the CPU twin, the CUDA kernel and that torch form agree bitwise, and a token's result does
 // not depend on the batch. Two launches in place of ~20 torch calls each.
 struct MhcCollapseParams {
@@ -152,23 +152,6 @@ struct MhcMixParams {
 };
 
 namespace mhc_detail {
-
-// A product / sum rounded on its own: never contracted into a fused multiply-add.
-ZI_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-ZI_HD float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
 
 // Storage of the streams: float, or bf16 as its bits.
 ZI_HD float to_float(float v) { return v; }

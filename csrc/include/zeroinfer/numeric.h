@@ -54,6 +54,33 @@ ZI_HD uint16_t float_to_bf16(float f) {
 #endif
 }
 
+// Products and sums rounded on their own, never contracted into a fused multiply-add (kernels that
+// must give torch's separate ops' bits: mhc collapse / mix, RoPE). On the host this needs the
+// file built with -ffp-contract=off (CMakeLists.txt); on the device the _rn intrinsics ensure it.
+ZI_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+ZI_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+ZI_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
 ZI_HD float fp8e4m3_to_float(uint8_t b) {
   const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
   const uint32_t exp = (b >> 3) & 0xfu, man = b & 0x7u;

@@ -1,8 +1,9 @@
 // V4's RoPE on the last r channels of each d-vector, interleaved pairs (2i, 2i+1), as HF computes
 // it: cos / sin (in the activations' dtype or float32) and the channels widened to float32,
 //     even' = even * cos - odd * sin,   odd' = odd * cos + even * sin
-// every product and difference rounded on its own (no fused multiply-adds: mul_rn / add_rn, the
-// CPU file built with -ffp-contract=off), then cast back; the first d - r channels copied.
+// every product and difference rounded on its own (no fused multiply-adds: numeric.h's mul_rn /
+// add_rn / sub_rn, the CPU file built with -ffp-contract=off), then cast back; the first d - r
+// channels copied.
 // `inverse` rotates by -angle (the attention output's de-rotation): bitwise the same as passing
 // -sin, since a - (-b) == a + b exactly. So the CPU twin, the CUDA kernel and the torch form
 // agree bitwise; one launch in place of ~12 torch calls a use (five uses a layer at decode).
@@ -32,30 +33,6 @@ struct RopeParams {
 };
 
 namespace rope_detail {
-
-ZI_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-ZI_HD float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-
-ZI_HD float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
 
 ZI_HD float load(const float* p, int64_t i) { return p[i]; }
 ZI_HD float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
