@@ -23,6 +23,7 @@ import torch
 
 from zeroinfer.ops import MhcMixes, mhc_collapse, mhc_mix, mhc_mixes
 from zeroinfer.testing import bench
+from zeroinfer.testing.torch_forms import torch_collapse, torch_mix
 
 STREAMS, ITERS, EPS, HIDDEN = 4, 20, 1e-6, 4096
 
@@ -39,24 +40,6 @@ def torch_mixes(z, scale, base, n=STREAMS, iters=ITERS, eps=EPS):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return pre, post, comb
-
-
-def torch_collapse(pre, streams):
-    """The model's torch form before mhc_collapse (python/zeroinfer/model/mhc.py at 9c1fbd3)."""
-    out = pre[:, 0, None] * streams[:, 0].float()
-    for n in range(1, streams.shape[1]):
-        out = out + pre[:, n, None] * streams[:, n].float()
-    return out.to(streams.dtype)
-
-
-def torch_mix(streams, out, post, comb):
-    """The model's torch form before mhc_mix (python/zeroinfer/model/mhc.py at 9c1fbd3)."""
-    dtype = streams.dtype
-    comb = comb.to(dtype)
-    mixed = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
-    for j in range(streams.shape[1]):
-        mixed = mixed + comb[:, j, :, None] * streams[:, j, None, :]
-    return mixed
 
 
 def apply_rows(dev, dtype, ceilings, gen):

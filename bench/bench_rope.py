@@ -17,19 +17,9 @@ import torch
 
 from zeroinfer.ops import rope_rotate
 from zeroinfer.testing import bench
+from zeroinfer.testing.torch_forms import torch_rope
 
 HEADS, DIM, HALF = 64, 512, 32
-
-
-def torch_rope(x, cos, sin):
-    """The model's torch form before rope_rotate (python/zeroinfer/model/rope.py at 9c1fbd3)."""
-    r = 2 * cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.float().view(shape), sin.float().view(shape)
-    rope = x[..., -r:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-r], out.to(x.dtype)], dim=-1)
 
 
 def main() -> None:

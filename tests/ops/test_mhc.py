@@ -10,6 +10,7 @@ import torch
 
 from zeroinfer.ops import (MHC_MAX_STREAMS, MhcMixes, mhc_collapse, mhc_collapse_ref, mhc_mix,
                            mhc_mix_ref, mhc_mixes, mhc_mixes_ref)
+from zeroinfer.testing.torch_forms import torch_collapse, torch_mix
 
 
 def random_inputs(gen, tokens, n, *, spread=3.0):
@@ -120,25 +121,6 @@ def test_cuda_matches_reference_and_cpu(gen, n, tokens):
 
 
 # ---- mhc_collapse / mhc_mix ---------------------------------------------------------------------
-
-
-def torch_collapse(pre, streams):
-    """The model's torch form (python/zeroinfer/model/mhc.py before the kernels): float32
-    products and sums, streams in order, one cast at the end."""
-    out = pre[:, 0, None] * streams[:, 0].float()
-    for n in range(1, streams.shape[1]):
-        out = out + pre[:, n, None] * streams[:, n].float()
-    return out.to(streams.dtype)
-
-
-def torch_mix(streams, out, post, comb):
-    """The model's torch form: post / comb cast to the streams' dtype, each op rounding."""
-    dtype = streams.dtype
-    comb = comb.to(dtype)
-    mixed = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
-    for j in range(streams.shape[1]):
-        mixed = mixed + comb[:, j, :, None] * streams[:, j, None, :]
-    return mixed
 
 
 def apply_inputs(gen, tokens, n, dim, dtype, device="cpu"):

@@ -9,17 +9,7 @@ import pytest
 import torch
 
 from zeroinfer.ops import rope_rotate, rope_rotate_ref
-
-
-def torch_rope(x, cos, sin):
-    """The model's torch form (python/zeroinfer/model/rope.py before the kernel)."""
-    r = 2 * cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.float().view(shape), sin.float().view(shape)
-    rope = x[..., -r:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
-    out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-r], out.to(x.dtype)], dim=-1)
+from zeroinfer.testing.torch_forms import torch_rope
 
 
 def tables(gen, tokens, half, dtype):

@@ -1,0 +1,36 @@
+"""The torch forms the model had before its one-launch ops (mhc_collapse, mhc_mix, rope_rotate;
+python/zeroinfer/model/ at 9c1fbd3). The ops must give these forms' bits: the tests assert it and
+the benchmarks check it before timing, against these one copies."""
+
+from __future__ import annotations
+
+import torch
+
+
+def torch_collapse(pre, streams):
+    """float32 products and sums, streams in order, one cast at the end."""
+    out = pre[:, 0, None] * streams[:, 0].float()
+    for n in range(1, streams.shape[1]):
+        out = out + pre[:, n, None] * streams[:, n].float()
+    return out.to(streams.dtype)
+
+
+def torch_mix(streams, out, post, comb):
+    """post / comb cast to the streams' dtype, each op rounding."""
+    dtype = streams.dtype
+    comb = comb.to(dtype)
+    mixed = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
+    for j in range(streams.shape[1]):
+        mixed = mixed + comb[:, j, :, None] * streams[:, j, None, :]
+    return mixed
+
+
+def torch_rope(x, cos, sin):
+    """The trailing 2 * cos.shape[-1] channels rotated in interleaved pairs, in float32."""
+    r = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.float().view(shape), sin.float().view(shape)
+    rope = x[..., -r:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-r], out.to(x.dtype)], dim=-1)
