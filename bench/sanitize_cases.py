@@ -3,8 +3,8 @@
 
 import torch
 
-from zeroinfer.ops import (correct_lengths, mhc_collapse, mhc_mix, mhc_mixes, moe_combine,
-                           moe_dispatch, rope_rotate, sparse_mla_attention)
+from zeroinfer.ops import (correct_lengths, indexer_scores, mhc_collapse, mhc_mix, mhc_mixes,
+                           moe_combine, moe_dispatch, rope_rotate, sparse_mla_attention)
 from zeroinfer.quant.kv_fp8 import quantize_kv_fp8
 
 gen = torch.Generator().manual_seed(1)
@@ -187,6 +187,17 @@ for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(T, 3, 130, generator=gen).to("cuda", dtype)
     rope_rotate(x, torch.rand(T, 32, generator=gen).to("cuda", dtype),
                 torch.rand(T, 32, generator=gen).to("cuda", dtype), inverse=dtype == torch.float32)
+
+# Indexer scores: a partial last tile, heads and channels off the 32-wide passes, an unmapped
+# block (NaN, nothing read) and a token that sees nothing; both key dtypes.
+for dtype in (torch.float32, torch.bfloat16):
+    T, H, d, block = 5, 33, 65, 7
+    keys = torch.randn(40, block, d, generator=gen).to("cuda", dtype)
+    table = torch.randperm(40, generator=gen)[:3 * 13].view(3, 13).int()
+    table[1, 2] = -1
+    indexer_scores(torch.randn(T, H, d, generator=gen).cuda(),
+                   torch.randn(T, H, generator=gen).cuda(), keys, table.cuda(), torch.tensor([0, 1, 2, 1, 0]).cuda(),
+                   torch.tensor([91, 30, 0, 7, 50]).cuda(), 91, scale=d**-0.5)
 
 torch.cuda.synchronize()
 print("sanitize cases done")

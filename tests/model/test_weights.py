@@ -492,25 +492,25 @@ def indexer_boundary_ties(model, ids) -> int:
     scores are often exactly 0). Which of the tied entries is chosen is implementation-defined
     (ours: the lowest index, HF's torch.topk: unspecified), so such inputs have no single right
     answer to compare logits on."""
-    from zeroinfer.model.attention import Indexer
+    from zeroinfer import ops
 
-    ties = 0
-    orig = Indexer.scores
+    ties, k = 0, model.config.index_topk
+    orig = ops.indexer_scores
 
-    def scores(self, q, weights, visible, keys):
+    def scores(q, weights, keys, tables, seq, visible, num_entries, **kw):
         nonlocal ties
-        sc = orig(self, q, weights, visible, keys)
+        sc = orig(q, weights, keys, tables, seq, visible, num_entries, **kw)
         for row, v in zip(sc, visible.tolist()):
-            if v > self.topk:
+            if v > k:
                 top = torch.sort(row[:v], descending=True).values
-                ties += int(top[self.topk - 1] == top[self.topk])
+                ties += int(top[k - 1] == top[k])
         return sc
 
-    Indexer.scores = scores
+    ops.indexer_scores = scores
     try:
         model.logits(ids)
     finally:
-        Indexer.scores = orig
+        ops.indexer_scores = orig
     return ties
 
 

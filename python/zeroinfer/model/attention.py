@@ -16,6 +16,10 @@ from zeroinfer.model.linear import Linear, pad_rows
 from zeroinfer.model.norm import rms_norm, rms_norm_unweighted
 from zeroinfer.model.rope import RopeTables, apply_rope
 
+# The most bytes of indexer scores a call holds ([rows, entries] float32; DeepInfer bounds the
+# same buffer by INDEX_ATTN_MEMORY_LIMIT).
+INDEX_SCORES_MAX_BYTES = 256 << 20
+
 
 class NormWeight(nn.Module):
     """A weighted RMSNorm's parameter (kept float32, as HF does)."""
@@ -135,31 +139,31 @@ class Indexer(Compressor):
         q = apply_rope(self.q_b_proj(q_res).view(T, self.heads, self.width), cos, sin).float()
         return q, self.scorer.weights_proj(x).float() * self.heads**-0.5
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
-               keys: torch.Tensor) -> torch.Tensor:
-        """One sequence: its queries' q [S, heads, d_I] and weights [S, heads] (`queries`), the
-        entries each query sees [S] ((position + 1) // rate), keys [n_entries, d_I] (all of the
-        sequence's entries so far). Returns entry indices [S, min(topk, n)], -1 where a query
-        has fewer visible entries."""
-        scores = self.scores(q, weights, visible, keys)
-        # ReLU scores are often exactly 0, so ties are real: break them by entry index (a stable
-        # sort) so the choice never depends on how many entries the scored row happens to hold
-        # (chunked prefill, batch composition).
-        n = keys.shape[0]
-        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(self.topk, n)]
-        return torch.where(top >= visible[:, None], -1, top)
-
-    def scores(self, q: torch.Tensor, weights: torch.Tensor, visible: torch.Tensor,
-               keys: torch.Tensor) -> torch.Tensor:
-        """Index scores [S, n_entries] float32 of `select`, -inf past each query's visible
-        entries."""
-        S, n = q.shape[0], keys.shape[0]
-        qf, _ = pad_rows(q.reshape(S * self.heads, self.width))
-        scores = torch.relu((qf @ keys.float().t())[: S * self.heads].view(S, self.heads, n))
-        scores = scores * self.width**-0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, n]
-        future = torch.arange(n, device=q.device)[None, :] >= visible[:, None]
-        return scores.masked_fill(future, float("-inf"))
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               tables: torch.Tensor, seq: torch.Tensor, visible: torch.Tensor, num_entries: int,
+               width: int) -> torch.Tensor:
+        """Every query's top-k entries [T, width] (-1 = none) by the indexer's scores over the
+        paged keys, for the whole batch at once: q [T, heads, d_I] and weights [T, heads] from
+        `queries`, keys the layer's index cache, tables the sequences' CSA block tables, seq /
+        visible each query's sequence and the entries it sees ((position + 1) // rate),
+        num_entries the most entries a sequence of the batch holds, width the most top-k a
+        sequence has (min(topk, its entries))."""
+        T = q.shape[0]
+        # Scores are [T, num_entries] float32: long prefills go by row chunks of bounded size.
+        rows = max(1, INDEX_SCORES_MAX_BYTES // (4 * max(1, num_entries)))
+        chosen = []
+        for lo in range(0, max(T, 1), rows):  # (T = 0: one empty call)
+            hi = min(T, lo + rows)
+            vis = visible[lo:hi]
+            scores = ops.indexer_scores(q[lo:hi], weights[lo:hi], keys, tables, seq[lo:hi], vis,
+                                        num_entries, scale=self.width**-0.5)
+            # ReLU scores are often exactly 0, so ties are real: break them by entry index (a
+            # stable sort) so the choice never depends on how many entries the scored row holds
+            # (chunked prefill, batch composition: a row's scores past its own sequence's
+            # entries, like those past what it sees, are -inf and sort after them).
+            top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :width]
+            chosen.append(torch.where(top >= vis[:, None], -1, top))
+        return chosen[0] if len(chosen) == 1 else torch.cat(chosen)
 
 
 class CSACompressor(Compressor):
@@ -261,19 +265,8 @@ class Attention(nn.Module):
         ix = comp.indexer
         store(cache.index, ix, cache.state["indexer"])
         iq, iw = ix.queries(x, q_res, cos, sin)
-        # Every sequence's entry slots, one row a sequence (past a sequence's own entries: slots
-        # of no use, read by nobody; unused table entries -1 clamped to slot 0).
         n_max = max(totals + [0])
-        seqs = torch.arange(batch.num_seqs, device=x.device)[:, None].expand(-1, n_max)
-        entry = torch.arange(n_max, device=x.device)[None, :].expand(batch.num_seqs, -1)
-        entry_slots = slots_of(tables, seqs, entry, Bc).clamp(min=0)
-        keys_of = cache.index.view(-1, ix.width)
         width = max([min(ix.topk, t) for t in totals] + [0])  # each query's top-k at most
-        chosen = torch.full((x.shape[0], width), -1, dtype=torch.int64, device=x.device)
-        for i in range(batch.num_seqs):  # CSA: each query's top-k by the indexer's scores
-            lo, hi = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
-            keys = keys_of[entry_slots[i, : totals[i]]]
-            top = ix.select(iq[lo:hi], iw[lo:hi], visible[lo:hi], keys)
-            chosen[lo:hi, : top.shape[1]] = top
+        chosen = ix.select(iq, iw, cache.index, tables, seq, visible, n_max, width)
         slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), Bc)
         return torch.where(chosen >= 0, slots, -1).to(torch.int32)

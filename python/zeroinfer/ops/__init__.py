@@ -6,6 +6,7 @@ float64 pure-torch reference, `<name>_ref`, which the tests use as the oracle.
 """
 
 from zeroinfer.ops.dispatch_combine import MoeDispatch, moe_combine, moe_dispatch
+from zeroinfer.ops.indexer import indexer_scores
 from zeroinfer.ops.length_correction import CorrectedLengths, correct_lengths
 from zeroinfer.ops.mhc import MHC_MAX_STREAMS, MhcMixes, mhc_collapse, mhc_mix, mhc_mixes
 from zeroinfer.ops.moe_gemm import (MXFP4_ROUTED_MAX_ROWS, Mxfp4PackedWeights,
@@ -14,6 +15,7 @@ from zeroinfer.ops.moe_gemm import (MXFP4_ROUTED_MAX_ROWS, Mxfp4PackedWeights,
 from zeroinfer.ops.rope import rope_rotate
 from zeroinfer.ops.sparse_mla import sparse_mla_attention
 from zeroinfer.reference.dispatch_combine import moe_combine_ref, moe_dispatch_ref
+from zeroinfer.reference.indexer import indexer_scores_ref
 from zeroinfer.reference.length_correction import correct_lengths_ref
 from zeroinfer.reference.mhc import mhc_collapse_ref, mhc_mix_ref, mhc_mixes_ref
 from zeroinfer.reference.moe_gemm import mxfp4_grouped_gemm_ref
@@ -29,6 +31,8 @@ __all__ = [
     "Mxfp4PackedWeights",
     "correct_lengths",
     "correct_lengths_ref",
+    "indexer_scores",
+    "indexer_scores_ref",
     "mhc_collapse",
     "mhc_collapse_ref",
     "mhc_mix",
