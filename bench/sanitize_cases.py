@@ -178,8 +178,9 @@ for T, n in [(1, 4), (131, 4), (300, 8)]:
               torch.randn(w, generator=gen).cuda(), streams=n, iters=20, eps=1e-6)
 
 # mHC collapse / mix and RoPE: a ragged last block (T * D not a multiple of 256), both dtypes.
-for dtype in (torch.float32, torch.bfloat16):
-    T, n, D = 7, 4, 300
+# (D = 256: the 16-byte mix kernel for both dtypes; 300: float32's, and bf16's one-dim kernel.)
+for dtype, D in ((torch.float32, 300), (torch.bfloat16, 300), (torch.bfloat16, 256)):
+    T, n = 7, 4
     s = torch.randn(T, n, D, generator=gen).to("cuda", dtype)
     mhc_collapse(torch.rand(T, n, generator=gen).cuda(), s)
     mhc_mix(s, torch.randn(T, D, generator=gen).to("cuda", dtype),
@@ -196,7 +197,8 @@ for dtype in (torch.float32, torch.bfloat16):
     table = torch.randperm(40, generator=gen)[:3 * 13].view(3, 13).int()
     table[1, 2] = -1
     indexer_scores(torch.randn(T, H, d, generator=gen).cuda(),
-                   torch.randn(T, H, generator=gen).cuda(), keys, table.cuda(), torch.tensor([0, 1, 2, 1, 0]).cuda(),
+                   torch.randn(T, H, generator=gen).cuda(), keys, table.cuda(),
+                   torch.tensor([0, 1, 2, 1, 0]).cuda(),
                    torch.tensor([91, 30, 0, 7, 50]).cuda(), 91, scale=d**-0.5)
 
 torch.cuda.synchronize()

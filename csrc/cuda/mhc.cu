@@ -4,6 +4,10 @@
 // Sinkhorn loop become this one launch.
 // collapse / mix: one thread a (token, dim), consecutive threads on consecutive dims (coalesced
 // loads of each stream's row); mix reads a (token, dim)'s N stream values once for its N outputs.
+// mix where rows are 16-byte aligned (the model's case): one thread 16 bytes of a (token, row)
+// - 8 bf16 or 4 float32 dims - so a token's post / comb are loaded and rounded once for 8 (4)
+// outputs instead of once each, and bf16 runs on bf16x2 arithmetic (mhc_mix_vec: the same bits).
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "check.cuh"
@@ -32,6 +36,83 @@ __global__ void __launch_bounds__(kApplyThreads) mhc_mix_kernel(MhcMixParams p) 
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kApplyThreads + threadIdx.x;
   if (i < p.num_tokens * p.dim) mhc_mix_elem<T, N>(p, i / p.dim, i % p.dim);
 }
+
+// 16 bytes of bf16: 4 bf16x2 pairs. bf16 x bf16 -> bf16 (mul.rn.bf16x2) is round_to<bf16> of the
+// float product, which is exact; bf16 + bf16 -> bf16 (add.rn.bf16x2) is round_to<bf16> of the
+// float sum: rounding to float first and then to bf16 cannot differ from rounding once (24 >= 2 *
+// 8 + 2 bits: double rounding is innocuous for +, -, x). Subnormals kept by both; the _rn forms are
+// never contracted into an fma. So each term is mhc_mix_elem's, two outputs an instruction.
+struct Bf16x8 {
+  __nv_bfloat162 h[4];
+};
+
+__device__ __forceinline__ __nv_bfloat162 bf16_pair(float v) {
+  return __bfloat162bfloat162(__float2bfloat16_rn(v));
+}
+
+template <int N>
+__global__ void __launch_bounds__(kApplyThreads) mhc_mix_bf16_vec_kernel(MhcMixParams p) {
+  const int64_t vecs = p.dim / 8;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kApplyThreads + threadIdx.x;
+  if (i >= p.num_tokens * vecs) return;
+  const int64_t t = i / vecs, d = (i - t * vecs) * 8;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x_in) + t * N * p.dim + d;
+  Bf16x8 xs[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) xs[j] = *reinterpret_cast<const Bf16x8*>(x + j * p.dim);
+  const Bf16x8 o =
+      *reinterpret_cast<const Bf16x8*>(static_cast<const uint16_t*>(p.block) + t * p.dim + d);
+  const float* post = p.post + t * N;
+  const float* comb = p.comb + t * N * N;
+  uint16_t* y = static_cast<uint16_t*>(p.y_out) + t * N * p.dim + d;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const __nv_bfloat162 pk = bf16_pair(post[k]);
+    Bf16x8 acc;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) acc.h[h] = __hmul2_rn(pk, o.h[h]);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const __nv_bfloat162 c = bf16_pair(comb[j * N + k]);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) acc.h[h] = __hadd2_rn(acc.h[h], __hmul2_rn(c, xs[j].h[h]));
+    }
+    *reinterpret_cast<Bf16x8*>(y + k * p.dim) = acc;
+  }
+}
+
+template <int N>
+__global__ void __launch_bounds__(kApplyThreads) mhc_mix_f32_vec_kernel(MhcMixParams p) {
+  const int64_t vecs = p.dim / 4;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kApplyThreads + threadIdx.x;
+  if (i >= p.num_tokens * vecs) return;
+  const int64_t t = i / vecs, d = (i - t * vecs) * 4;
+  const float* x = static_cast<const float*>(p.x_in) + t * N * p.dim + d;
+  float4 xs[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) xs[j] = *reinterpret_cast<const float4*>(x + j * p.dim);
+  const float4 o =
+      *reinterpret_cast<const float4*>(static_cast<const float*>(p.block) + t * p.dim + d);
+  const float* post = p.post + t * N;
+  const float* comb = p.comb + t * N * N;
+  float* y = static_cast<float*>(p.y_out) + t * N * p.dim + d;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float pk = post[k];
+    float4 acc = make_float4(mul_rn(pk, o.x), mul_rn(pk, o.y), mul_rn(pk, o.z), mul_rn(pk, o.w));
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float c = comb[j * N + k];
+      acc.x = add_rn(acc.x, mul_rn(c, xs[j].x));
+      acc.y = add_rn(acc.y, mul_rn(c, xs[j].y));
+      acc.z = add_rn(acc.z, mul_rn(c, xs[j].z));
+      acc.w = add_rn(acc.w, mul_rn(c, xs[j].w));
+    }
+    *reinterpret_cast<float4*>(y + k * p.dim) = acc;
+  }
+}
+
+bool aligned16(const void* a) { return (reinterpret_cast<uintptr_t>(a) & 15u) == 0; }
 
 unsigned apply_blocks(int64_t elems) {
   const int64_t blocks = (elems + kApplyThreads - 1) / kApplyThreads;
@@ -64,10 +145,21 @@ void mhc_collapse_cuda(const MhcCollapseParams& p, void* stream) {
 
 void mhc_mix_cuda(const MhcMixParams& p, void* stream) {
   if (p.num_tokens == 0 || p.dim == 0) return;
-  const unsigned blocks = apply_blocks(p.num_tokens * p.dim);
+  const int vec = p.dtype == DType::kBFloat16 ? 8 : 4;  // dims in 16 bytes
+  const bool vectors = p.dim % vec == 0 && aligned16(p.x_in) && aligned16(p.block) &&
+                       aligned16(p.y_out);
+  const unsigned blocks = apply_blocks(p.num_tokens * (vectors ? p.dim / vec : p.dim));
+  const auto s = static_cast<cudaStream_t>(stream);
   mhc_dispatch_apply(p.dtype, p.streams, [&](auto type, auto n) {
-    mhc_mix_kernel<decltype(type), decltype(n)::value>
-        <<<blocks, kApplyThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+    using T = decltype(type);
+    constexpr int N = decltype(n)::value;
+    if (!vectors) {
+      mhc_mix_kernel<T, N><<<blocks, kApplyThreads, 0, s>>>(p);
+    } else if constexpr (std::is_same_v<T, float>) {
+      mhc_mix_f32_vec_kernel<N><<<blocks, kApplyThreads, 0, s>>>(p);
+    } else {
+      mhc_mix_bf16_vec_kernel<N><<<blocks, kApplyThreads, 0, s>>>(p);
+    }
   });
   ZI_CUDA_CHECK_LAUNCH("mhc_mix");
 }

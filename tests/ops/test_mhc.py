@@ -221,7 +221,7 @@ def test_collapse_and_mix_bad_arguments(gen):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 4, MHC_MAX_STREAMS])
-@pytest.mark.parametrize("tokens,dim", [(1, 4096), (133, 200), (2048, 4096)])
+@pytest.mark.parametrize("tokens,dim", [(1, 4096), (133, 200), (2048, 4096), (7, 130)])
 def test_cuda_collapse_and_mix_are_the_cpu_bits(gen, dtype, n, tokens, dim):
     """Every product and sum rounded alike (no fused multiply-adds on either side): the CUDA
     kernels give the CPU twins' bits, and the torch form's on the GPU."""
