@@ -189,10 +189,13 @@ for dtype, D in ((torch.float32, 300), (torch.bfloat16, 300), (torch.bfloat16, 2
     rope_rotate(x, torch.rand(T, 32, generator=gen).to("cuda", dtype),
                 torch.rand(T, 32, generator=gen).to("cuda", dtype), inverse=dtype == torch.float32)
 
-# Indexer scores: a partial last tile, heads and channels off the 32-wide passes, an unmapped
-# block (NaN, nothing read) and a token that sees nothing; both key dtypes.
-for dtype in (torch.float32, torch.bfloat16):
-    T, H, d, block = 5, 33, 65, 7
+# Indexer scores: a partial last tile, heads and channels off the 32-wide passes (the CUDA-core
+# kernel: float32 keys, bf16 at d = 65) or off the 64-head groups and the 64-entry tiles (the
+# tensor-core kernel: bf16 at d = 128, 48; q not bf16-exact: two MMAs), an unmapped block (NaN,
+# nothing read) and a token that sees nothing.
+for dtype, H, d in ((torch.float32, 33, 65), (torch.bfloat16, 33, 65), (torch.bfloat16, 100, 128),
+                    (torch.bfloat16, 3, 48)):
+    T, block = 5, 7
     keys = torch.randn(40, block, d, generator=gen).to("cuda", dtype)
     table = torch.randperm(40, generator=gen)[:3 * 13].view(3, 13).int()
     table[1, 2] = -1
@@ -200,6 +203,13 @@ for dtype in (torch.float32, torch.bfloat16):
                    torch.randn(T, H, generator=gen).cuda(), keys, table.cuda(),
                    torch.tensor([0, 1, 2, 1, 0]).cuda(),
                    torch.tensor([91, 30, 0, 7, 50]).cuda(), 91, scale=d**-0.5)
+# Enough tiles (4 x 300) for the tensor-core kernel to stream two a CTA (its second stage).
+keys = torch.randn(1200, 64, 128, generator=gen).to("cuda", torch.bfloat16)
+indexer_scores(torch.randn(4, 64, 128, generator=gen).bfloat16().float().cuda(),
+               torch.randn(4, 64, generator=gen).cuda(), keys,
+               torch.randperm(1200, generator=gen).view(4, 300).int().cuda(),
+               torch.arange(4).cuda(), torch.tensor([19200, 19170, 5000, 1]).cuda(), 19200,
+               scale=128**-0.5)
 
 torch.cuda.synchronize()
 print("sanitize cases done")

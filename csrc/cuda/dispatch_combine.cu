@@ -618,29 +618,6 @@ void combine_w(const MoeCombineParams& p, cudaStream_t s) {
 
 int num_chunks(int64_t n) { return static_cast<int>(std::max<int64_t>(1, (n + kChunk - 1) / kChunk)); }
 
-// Per-device facts, queried once per device (the launch path stays free of attribute queries).
-struct DeviceLimits {
-  int sms = 0;
-  int smem_optin = 0;
-};
-
-DeviceLimits device_limits() {
-  constexpr int kMaxDevices = 64;
-  static DeviceLimits cache[kMaxDevices];
-  int dev = 0;
-  ZI_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= kMaxDevices) dev = 0;
-  DeviceLimits& d = cache[dev];
-  if (d.sms == 0) {  // benign race: every writer stores the same values
-    DeviceLimits q;
-    ZI_CUDA_CHECK(cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev));
-    ZI_CUDA_CHECK(cudaDeviceGetAttribute(&q.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    d.smem_optin = q.smem_optin;
-    d.sms = q.sms;
-  }
-  return d;
-}
-
 // ZEROINFER_DISPATCH_FUSED=0 forces the count / scan / place + gather path (tests, A/B runs).
 bool fused_allowed() {
   const char* v = std::getenv("ZEROINFER_DISPATCH_FUSED");

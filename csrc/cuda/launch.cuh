@@ -22,6 +22,30 @@ __device__ __forceinline__ void await_earlier_kernels() {
   griddep_launch_dependents();
 }
 
+// Per-device facts, queried once per device (the launch path stays free of attribute queries).
+struct DeviceLimits {
+  int sms = 0;
+  int smem_optin = 0;
+};
+
+inline DeviceLimits device_limits() {
+  constexpr int kMaxDevices = 64;
+  static DeviceLimits cache[kMaxDevices];
+  int dev = 0;
+  ZI_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) dev = 0;
+  DeviceLimits& d = cache[dev];
+  if (d.sms == 0) {  // benign race: every writer stores the same values
+    DeviceLimits q;
+    ZI_CUDA_CHECK(cudaDeviceGetAttribute(&q.sms, cudaDevAttrMultiProcessorCount, dev));
+    ZI_CUDA_CHECK(
+        cudaDeviceGetAttribute(&q.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    d.smem_optin = q.smem_optin;
+    d.sms = q.sms;
+  }
+  return d;
+}
+
 // cudaLaunchKernelEx with one launch attribute (programmatic, cooperative, ...); returns the
 // launch's error for the caller to handle.
 template <typename... Params, typename... Args>

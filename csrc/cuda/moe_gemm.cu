@@ -303,15 +303,6 @@ __device__ __forceinline__ void cp_async4_if(uint32_t dst, const void* src, bool
       : "memory");
 }
 
-// D = A * B + D; A 16x16 bf16 (row), B 16x8 bf16 (col), float32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // ---- weight decode -----------------------------------------------------------------------------
 // A 32-bit word of a packed block holds 8 e2m1 values; for lane (g = lane/4, t = lane%4), word
 // w = 2*s + h (s: 32-group, h: 16-half) holds rows g and g+8 at k 32s + 16h + 4t + j, j = 0..3.

@@ -10,7 +10,10 @@
 // its own (numeric.h's mul_rn / add_rn; the CPU file is built with -ffp-contract=off). So a row's
 // scores depend on its own inputs alone, whatever the batch around it (the top-k picked from
 // them must not change with the batch: tests/model/test_batch_invariance.py), and the CPU twin
-// and the CUDA kernel agree bitwise. relu keeps NaN, as torch's does. A sequence index outside
+// and the CUDA kernel's CUDA-core form agree bitwise. The exception: bf16 keys with d a multiple
+// of 16 up to 128 (V4's) run on tensor cores (csrc/cuda/indexer.cu), whose sums go in the MMA's
+// own order - still one fixed order for every row whatever the batch, float32 accuracy, but not
+// the CPU twin's bits. relu keeps NaN, as torch's does. A sequence index outside
 // [0, num_seqs) or a negative cache block below visible[t] gives NaN, read from nowhere (the
 // CUDA op cannot check the tables' values without a host synchronisation).
 // Reference: zeroinfer.reference.indexer.

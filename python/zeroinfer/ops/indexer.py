@@ -10,7 +10,11 @@ with key(b, s) in cache slot block_table[b, s // block_size] * block_size + s % 
 Every sum runs in one fixed order (each dot over the channels ascending, then the heads
 ascending, the product by `scale` last), each product and sum rounded on its own: a row's scores
 depend on its own inputs alone, whatever else shares the batch, so the top-k the model picks
-from them is batch-invariant; the CPU twin and the CUDA kernel agree bitwise. relu keeps NaN. A
+from them is batch-invariant; the CPU twin and the CUDA kernel agree bitwise. On CUDA, bfloat16
+keys with d a multiple of 16 up to 128 (V4's 128) run on tensor cores instead: q split into two
+bf16 halves where it is not bf16-exact, float32 accumulation in the MMA's order - float32
+accuracy, one fixed order for every row (batch-invariant, deterministic), not the CPU's bits.
+relu keeps NaN. A
 sequence index outside the table or a negative cache block below visible[t] gives NaN for those
 entries (on CUDA the values are not checked: that would need a host synchronisation).
 """
