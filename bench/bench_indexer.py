@@ -6,13 +6,14 @@ batched torch path (gather the keys, one bmm, ReLU, weighted head sum, mask).
   python bench/bench_indexer.py --device cuda   # CUDA kernel (bf16 keys) vs torch
 
 Decode: one query token a sequence, each sequence holding n entries (a context of 4n tokens:
-CSA's rate 4), batch 1-128. Prefill: one sequence's 4096-token chunk, each token seeing the
+CSA's rate 4), batch 1-128. q is bf16-exact, as the model's is on the GPU (one MMA a tile on
+tensor cores); one row (`q` = float32) has q not bf16-exact, which costs the kernel a second MMA
+for q's low half. Prefill: one sequence's 4096-token chunk, each token seeing the
 entries closed at its position. `time_us` the eager call with the L2 flushed, `kernel_us` its
 device work (CUPTI); `bytes` the keys of every token's sequence (the decode rows read each
 sequence's keys once), q, weights and the scores written; `flops` 2 x heads x d a visible
-(token, entry) pair. The kernel runs on CUDA cores in float32 with every step rounded (the bits
-of the CPU twin, batch-invariant), so against the floor's tensor-core peak it reads low; the
-tensor-core form is the next step.
+(token, entry) pair. On CUDA the bf16 keys take the tensor-core kernel (mma.sync); on the CPU
+the twin runs float32 on vector units, so its fractions are of no floor.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def torch_scores(q, w, keys, table, seq, visible, n, scale):
     return scores.masked_fill(s[None, :] >= visible[:, None], float("-inf"))
 
 
-def case(gen, dev, key_dtype, *, seqs, tokens, entries, first_pos=None):
+def case(gen, dev, key_dtype, *, seqs, tokens, entries, first_pos=None, q_exact=True):
     """Keys of `seqs` sequences of `entries` entries in shuffled blocks; `tokens` queries (one a
     sequence for decode; first_pos: one sequence's chunk from that position, causal)."""
     blocks = (entries + BLOCK - 1) // BLOCK
@@ -47,7 +48,8 @@ def case(gen, dev, key_dtype, *, seqs, tokens, entries, first_pos=None):
     else:
         seq = torch.zeros(tokens, dtype=torch.int64, device=dev)
         visible = (first_pos + torch.arange(tokens, device=dev) + 1) // 4
-    q = torch.randn(tokens, HEADS, DIM, generator=gen).to(dev)
+    q = torch.randn(tokens, HEADS, DIM, generator=gen)
+    q = (q.bfloat16().float() if q_exact else q).to(dev)
     w = torch.randn(tokens, HEADS, generator=gen).to(dev) * HEADS**-0.5
     return q, w, keys, table, seq, visible
 
@@ -63,12 +65,13 @@ def main() -> None:
     decode = [(b, n) for b in (1, 8, 32, 128) for n in (2048, 8192, 32768)] if cuda else \
         [(1, 512), (8, 512), (1, 2048)]
     prefill = [(4096, 1024, 0), (4096, 8192, 28672)] if cuda else [(256, 64, 0)]
-    shapes = [("decode", b, b, n, None) for b, n in decode] + \
-        [("prefill", 1, t, n, p) for t, n, p in prefill]
+    shapes = [("decode", b, b, n, None, True) for b, n in decode] + \
+        [("prefill", 1, t, n, p, True) for t, n, p in prefill] + \
+        ([("decode", 32, 32, 8192, None, False)] if cuda else [])
     rows = []
-    for kind, seqs, tokens, n, first in shapes:
+    for kind, seqs, tokens, n, first, q_exact in shapes:
         q, w, keys, table, seq, visible = case(gen, dev, key_dtype, seqs=seqs, tokens=tokens,
-                                               entries=n, first_pos=first)
+                                               entries=n, first_pos=first, q_exact=q_exact)
         call = lambda: indexer_scores(q, w, keys, table, seq, visible, n, scale=scale)  # noqa: E731
         got = call()
         pairs = int(visible.clamp(max=n).sum())
@@ -88,10 +91,11 @@ def main() -> None:
         if fits:
             t_torch = timer(lambda: torch_scores(q, w, keys, table, seq, visible, n, scale))
             row.update(torch_us=t_torch * 1e6, speedup_vs_torch=t_torch / (row["time_us"] / 1e6))
-        rows.append({"kind": kind, "seqs": seqs, "tokens": tokens, "entries": n, "heads": HEADS,
+        rows.append({"kind": kind, "q": "bf16-exact" if q_exact else "float32", "seqs": seqs,
+                     "tokens": tokens, "entries": n, "heads": HEADS,
                      "dim": DIM, "key_dtype": str(key_dtype).split(".")[1], **row})
         del q, w, keys, table, seq, visible, got
-    cols = ["kind", "seqs", "tokens", "entries", "bytes", "flops", "time_us"]
+    cols = ["kind", "q", "seqs", "tokens", "entries", "bytes", "flops", "time_us"]
     cols += ["kernel_us", "gbps", "tflops", "kernel_fraction_of_floor"] if cuda else \
         ["gbps", "tflops"]
     bench.print_table(rows, cols + ["torch_us", "speedup_vs_torch"])
