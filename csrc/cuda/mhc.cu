@@ -4,9 +4,10 @@
 // Sinkhorn loop become this one launch.
 // collapse / mix: one thread a (token, dim), consecutive threads on consecutive dims (coalesced
 // loads of each stream's row); mix reads a (token, dim)'s N stream values once for its N outputs.
-// mix where rows are 16-byte aligned (the model's case): one thread 16 bytes of a (token, row)
-// - 8 bf16 or 4 float32 dims - so a token's post / comb are loaded and rounded once for 8 (4)
-// outputs instead of once each, and bf16 runs on bf16x2 arithmetic (mhc_mix_vec: the same bits).
+// Where rows are 16-byte aligned (the model's case) collapse and mix take 16 bytes of a (token,
+// row) a thread - 8 bf16 or 4 float32 dims - so a token's pre, or post / comb, are loaded (and
+// rounded) once for 8 (4) outputs instead of once each; the mix's bf16 runs on bf16x2
+// arithmetic with the same bits (argued below).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -112,6 +113,38 @@ __global__ void __launch_bounds__(kApplyThreads) mhc_mix_f32_vec_kernel(MhcMixPa
   }
 }
 
+// collapse, 16 bytes of the output row a thread (8 bf16 / 4 float32 dims): mhc_collapse_elem's
+// float32 arithmetic on each, the token's pre loaded once for all of them.
+template <class T, int N>
+__global__ void __launch_bounds__(kApplyThreads) mhc_collapse_vec_kernel(MhcCollapseParams p) {
+  using namespace mhc_detail;
+  constexpr int V = 16 / sizeof(T);
+  union Vec {
+    uint4 raw;
+    T v[V];
+  };
+  const int64_t vecs = p.dim / V;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kApplyThreads + threadIdx.x;
+  if (i >= p.num_tokens * vecs) return;
+  const int64_t t = i / vecs, d = (i - t * vecs) * V;
+  const T* x = static_cast<const T*>(p.x_in) + t * N * p.dim + d;
+  const float* pre = p.pre + t * N;
+  float acc[V];
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    Vec in;
+    in.raw = *reinterpret_cast<const uint4*>(x + n * p.dim);
+    const float w = pre[n];
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      acc[e] = n == 0 ? mul_rn(w, to_float(in.v[e])) : add_rn(acc[e], mul_rn(w, to_float(in.v[e])));
+  }
+  Vec out;
+#pragma unroll
+  for (int e = 0; e < V; ++e) out.v[e] = from_float<T>(acc[e]);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.x_out) + t * p.dim + d) = out.raw;
+}
+
 bool aligned16(const void* a) { return (reinterpret_cast<uintptr_t>(a) & 15u) == 0; }
 
 unsigned apply_blocks(int64_t elems) {
@@ -135,10 +168,18 @@ void mhc_mixes_cuda(const MhcMixesParams& p, void* stream) {
 
 void mhc_collapse_cuda(const MhcCollapseParams& p, void* stream) {
   if (p.num_tokens == 0 || p.dim == 0) return;
-  const unsigned blocks = apply_blocks(p.num_tokens * p.dim);
+  const int vec = p.dtype == DType::kBFloat16 ? 8 : 4;  // dims in 16 bytes
+  const bool vectors = p.dim % vec == 0 && aligned16(p.x_in) && aligned16(p.x_out);
+  const unsigned blocks = apply_blocks(p.num_tokens * (vectors ? p.dim / vec : p.dim));
+  const auto s = static_cast<cudaStream_t>(stream);
   mhc_dispatch_apply(p.dtype, p.streams, [&](auto type, auto n) {
-    mhc_collapse_kernel<decltype(type), decltype(n)::value>
-        <<<blocks, kApplyThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+    using T = decltype(type);
+    constexpr int N = decltype(n)::value;
+    if (vectors) {
+      mhc_collapse_vec_kernel<T, N><<<blocks, kApplyThreads, 0, s>>>(p);
+    } else {
+      mhc_collapse_kernel<T, N><<<blocks, kApplyThreads, 0, s>>>(p);
+    }
   });
   ZI_CUDA_CHECK_LAUNCH("mhc_collapse");
 }

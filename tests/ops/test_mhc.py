@@ -236,3 +236,24 @@ def test_cuda_collapse_and_mix_are_the_cpu_bits(gen, dtype, n, tokens, dim):
     assert torch.equal(y.cpu(), mhc_mix(cpu[0], cpu[1], cpu[3], cpu[4]))
     assert torch.equal(x, torch_collapse(pre, streams))
     assert torch.equal(y, torch_mix(streams, block, post, comb))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_collapse_and_mix_off_16_byte_alignment(gen, dtype):
+    """Rows whose addresses are not 16-byte aligned take the one-dim-a-thread kernels instead of
+    the 16-byte ones (dim 4096 would take them): the same bits either way."""
+    tokens, n, dim = 9, 4, 4096
+    cpu = apply_inputs(gen, tokens, n, dim, dtype)
+    streams, block, pre, post, comb = (t.cuda() for t in cpu)
+    size = tokens * n * dim
+    shifted = torch.empty(size + 1, dtype=dtype, device="cuda")[1:].view(tokens, n, dim)
+    shifted.copy_(streams)
+    y_out = torch.full((size + 1,), float("nan"), dtype=dtype, device="cuda")[1:]
+    y = mhc_mix(shifted, block, post, comb, out=y_out.view(tokens, n, dim))
+    assert torch.equal(y.cpu(), mhc_mix(cpu[0], cpu[1], cpu[3], cpu[4]))
+    assert torch.equal(y, mhc_mix(streams, block, post, comb))
+    x_out = torch.full((tokens * dim + 1,), float("nan"), dtype=dtype, device="cuda")[1:]
+    x = mhc_collapse(pre, shifted, out=x_out.view(tokens, dim))
+    assert torch.equal(x.cpu(), mhc_collapse(cpu[2], cpu[0]))
+    assert torch.equal(x, mhc_collapse(pre, streams))
