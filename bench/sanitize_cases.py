@@ -4,7 +4,8 @@
 import torch
 
 from zeroinfer.ops import (correct_lengths, indexer_scores, mhc_collapse, mhc_mix, mhc_mixes,
-                           moe_combine, moe_dispatch, rope_rotate, sparse_mla_attention)
+                           moe_combine, moe_dispatch, rms_norm, rope_rotate,
+                           sparse_mla_attention)
 from zeroinfer.quant.kv_fp8 import quantize_kv_fp8
 
 gen = torch.Generator().manual_seed(1)
@@ -210,6 +211,12 @@ indexer_scores(torch.randn(4, 64, 128, generator=gen).bfloat16().float().cuda(),
                torch.randperm(1200, generator=gen).view(4, 300).int().cuda(),
                torch.arange(4).cuda(), torch.tensor([19200, 19170, 5000, 1]).cuda(), 19200,
                scale=128**-0.5)
+
+# RMS norms: rows shorter than the 256 lanes, and longer with a ragged end; both dtypes.
+for dtype, D in ((torch.float32, 7), (torch.bfloat16, 300), (torch.float32, 16384)):
+    x = torch.randn(3, D, generator=gen).to("cuda", dtype)
+    rms_norm(x, torch.rand(D, generator=gen).cuda(), 1e-6)
+    rms_norm(x, None, 1e-6)
 
 torch.cuda.synchronize()
 print("sanitize cases done")

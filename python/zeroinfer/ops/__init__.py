@@ -12,6 +12,7 @@ from zeroinfer.ops.mhc import MHC_MAX_STREAMS, MhcMixes, mhc_collapse, mhc_mix, 
 from zeroinfer.ops.moe_gemm import (MXFP4_ROUTED_MAX_ROWS, Mxfp4PackedWeights,
                                      mxfp4_act_scale_mn_major, mxfp4_grouped_gemm, mxfp4_prepack,
                                      mxfp4_unpack)
+from zeroinfer.ops.rms_norm import rms_norm
 from zeroinfer.ops.rope import rope_rotate
 from zeroinfer.ops.sparse_mla import sparse_mla_attention
 from zeroinfer.reference.dispatch_combine import moe_combine_ref, moe_dispatch_ref
@@ -19,6 +20,7 @@ from zeroinfer.reference.indexer import indexer_scores_ref
 from zeroinfer.reference.length_correction import correct_lengths_ref
 from zeroinfer.reference.mhc import mhc_collapse_ref, mhc_mix_ref, mhc_mixes_ref
 from zeroinfer.reference.moe_gemm import mxfp4_grouped_gemm_ref
+from zeroinfer.reference.rms_norm import rms_norm_ref
 from zeroinfer.reference.rope import rope_rotate_ref
 from zeroinfer.reference.sparse_mla import sparse_mla_attention_ref
 
@@ -48,6 +50,8 @@ __all__ = [
     "mxfp4_grouped_gemm_ref",
     "mxfp4_prepack",
     "mxfp4_unpack",
+    "rms_norm",
+    "rms_norm_ref",
     "rope_rotate",
     "rope_rotate_ref",
     "sparse_mla_attention",

@@ -1,6 +1,7 @@
 """The torch forms the model had before its one-launch ops (mhc_collapse, mhc_mix, rope_rotate;
-python/zeroinfer/model/ at 9c1fbd3). The ops must give these forms' bits: the tests assert it and
-the benchmarks check it before timing, against these one copies."""
+python/zeroinfer/model/ at 9c1fbd3; rms_norm at 4b3af3e). The first three ops must give these
+forms' bits: the tests assert it and the benchmarks check it before timing, against these one
+copies. rms_norm sums its squares in its own fixed order, so it matches its forms to rounding."""
 
 from __future__ import annotations
 
@@ -34,3 +35,15 @@ def torch_rope(x, cos, sin):
     even, odd = rope[..., 0::2], rope[..., 1::2]
     out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
     return torch.cat([x[..., :-r], out.to(x.dtype)], dim=-1)
+
+
+def torch_rms_norm(x, weight, eps):
+    """HF's weighted RMS norm: float32 throughout, the weight's product last, one cast."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
+def torch_rms_norm_unweighted(x, eps):
+    """No weight: the factor cast to x's dtype, the product in it."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

@@ -1,0 +1,51 @@
+// CPU twin of the RMS norms (contract in zeroinfer/rms_norm.h): the 256 lane sums and their
+// pairwise fold exactly as the CUDA kernel's threads make them. The lane sums go a 256-element
+// block at a time, all lanes together (lane j takes element j of each block: its own chain, in
+// its own order, vectorised across the lanes). Built with -ffp-contract=off.
+#include <algorithm>
+
+#include "zeroinfer/parallel.h"
+#include "zeroinfer/rms_norm.h"
+
+namespace zi {
+
+namespace {
+
+template <class T>
+void norm_row(const RmsNormParams& p, const T* x, T* y) {
+  using namespace rms_detail;
+  float lanes[kRmsNormLanes] = {};
+  for (int64_t i0 = 0; i0 < p.dim; i0 += kRmsNormLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kRmsNormLanes, p.dim - i0));
+    for (int j = 0; j < n; ++j) {
+      const float v = load(x, i0 + j);
+      lanes[j] = add_rn(lanes[j], mul_rn(v, v));
+    }
+  }
+  for (int h = kRmsNormLanes / 2; h >= 1; h /= 2)
+    for (int j = 0; j < h; ++j) lanes[j] = add_rn(lanes[j], lanes[j + h]);
+  const float r = rms_factor(lanes[0], p.dim, p.eps);
+  if (p.weight) {
+    for (int64_t i = 0; i < p.dim; ++i) store(y, i, mul_rn(p.weight[i], mul_rn(load(x, i), r)));
+  } else {
+    const float rt = round_to(T{}, r);
+    for (int64_t i = 0; i < p.dim; ++i) store(y, i, mul_rn(load(x, i), rt));
+  }
+}
+
+}  // namespace
+
+void rms_norm_cpu(const RmsNormParams& p) {
+  ZI_CHECK(p.dim >= 1, "rms_norm: need D >= 1");
+  rms_dispatch(p.dtype, [&](auto type) {
+    using T = decltype(type);
+    const int64_t grain = std::max<int64_t>(1, 16384 / p.dim);
+    parallel_for(p.rows, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row)
+        norm_row<T>(p, static_cast<const T*>(p.x) + row * p.dim,
+                    static_cast<T*>(p.y) + row * p.dim);
+    });
+  });
+}
+
+}  // namespace zi

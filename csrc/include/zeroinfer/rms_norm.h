@@ -1,0 +1,107 @@
+// V4's two RMS norms over the last dim D of x [rows, D], in one launch (each was ~7-9 torch
+// calls; a decode step of the model made ~30 of them a layer group):
+//   weighted:   y = cast(w * (x * r))        w float32 [D], the products in float32
+//   unweighted: y = x * cast(r)              the factor cast to x's dtype, the product in it
+// with r = 1 / sqrt(sum(x^2) / D + eps), x widened to float32 (HF's precision rules,
+// python/zeroinfer/model/norm.py had the torch forms).
+// The sum of squares runs in one fixed order: lane j of 256 sums elements j, j + 256, ...
+// ascending, then the 256 lane sums fold pairwise (lane j += lane j + h for h = 128, 64, .., 1),
+// every product and sum rounded on its own (numeric.h's *_rn; the CPU file built with
+// -ffp-contract=off), the sqrt and the divisions correctly rounded. So a row's result depends on
+// the row alone (batch invariance), and the CPU twin and the CUDA kernel (one CTA of 256 threads
+// a row) agree bitwise; against torch's forms they differ in the last bits of the sum.
+// Reference: zeroinfer.reference.rms_norm.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "zeroinfer/common.h"
+#include "zeroinfer/numeric.h"
+
+namespace zi {
+
+constexpr int kRmsNormLanes = 256;
+
+struct RmsNormParams {
+  int64_t rows;
+  int64_t dim;          // D
+  DType dtype;          // of x and y: float32 or bfloat16
+  float eps;
+  const void* x;        // [rows, D]
+  const float* weight;  // [D], or null: the unweighted norm
+  void* y;              // [rows, D] out
+};
+
+namespace rms_detail {
+
+ZI_HD float load(const float* p, int64_t i) { return p[i]; }
+ZI_HD float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+ZI_HD void store(float* p, int64_t i, float v) { p[i] = v; }
+ZI_HD void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+ZI_HD float round_to(float, float v) { return v; }
+ZI_HD float round_to(uint16_t, float v) { return bf16_to_float(float_to_bf16(v)); }
+
+ZI_HD float sqrt_rn(float v) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(v);
+#else
+  return std::sqrt(v);
+#endif
+}
+
+ZI_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+}  // namespace rms_detail
+
+// Lane j's partial sum of squares of row x (D elements).
+template <class T>
+ZI_HD float rms_lane_sum(const T* x, int64_t dim, int lane) {
+  using rms_detail::load;
+  float s = 0.f;
+  for (int64_t i = lane; i < dim; i += kRmsNormLanes) {
+    const float v = load(x, i);
+    s = add_rn(s, mul_rn(v, v));
+  }
+  return s;
+}
+
+// r from the folded sum of squares.
+ZI_HD float rms_factor(float sum_sq, int64_t dim, float eps) {
+  using namespace rms_detail;
+  return div_rn(1.f, sqrt_rn(add_rn(div_rn(sum_sq, static_cast<float>(dim)), eps)));
+}
+
+// Element i of the output row (the CPU twin inlines the same arithmetic per row).
+template <class T>
+ZI_HD void rms_apply(const RmsNormParams& p, const T* x, T* y, float r, int64_t i) {
+  using namespace rms_detail;
+  const float v = load(x, i);
+  if (p.weight) {
+    store(y, i, mul_rn(p.weight[i], mul_rn(v, r)));
+  } else {
+    store(y, i, mul_rn(v, round_to(T{}, r)));
+  }
+}
+
+// Calls f(T{}) for x's storage type (float, or bf16 bits).
+template <class F>
+void rms_dispatch(DType dtype, F&& f) {
+  if (dtype == DType::kFloat32) {
+    f(float{});
+  } else {
+    ZI_CHECK(dtype == DType::kBFloat16, "rms_norm: x must be float32 or bfloat16");
+    f(uint16_t{});
+  }
+}
+
+void rms_norm_cpu(const RmsNormParams& p);
+void rms_norm_cuda(const RmsNormParams& p, void* stream);
+
+}  // namespace zi
