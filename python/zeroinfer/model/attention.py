@@ -201,7 +201,8 @@ class Attention(nn.Module):
         T, H, d, eps = x.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
         pos = batch.positions
         seq = batch.seq_of_token()
-        cos, sin = rope.cos_sin(self.table, pos, x.dtype)
+        cos, sin = batch.derived(("cos_sin", self.table, x.dtype),
+                                 lambda: rope.cos_sin(self.table, pos, x.dtype))
 
         q_res = rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
         q = rms_norm_unweighted(self.q_b_proj(q_res).view(T, H, d), eps)
@@ -210,19 +211,15 @@ class Attention(nn.Module):
 
         # The window: write this step's K=V, then each query reads its last W positions.
         B = cache.window.shape[1]
-        cache.window.view(-1, d)[slots_of(batch.window_tables, seq, pos, B)] = kv.to(cache.window.dtype)
-        win_pos = pos[:, None] - (c.sliding_window - 1) + torch.arange(c.sliding_window, device=pos.device)
-        valid = win_pos >= 0
-        win_idx = slots_of(batch.window_tables, seq[:, None].expand_as(win_pos),
-                           win_pos.clamp(min=0), B)
-        win_idx = torch.where(valid, win_idx, -1).to(torch.int32)
+        write, win_idx = batch.derived(("window", B), lambda: self._window_slots(batch, B))
+        cache.window.view(-1, d)[write] = kv.to(cache.window.dtype)
 
         extra_cache = extra_idx = None
         if self.compressor is not None:
             extra_idx = self._compressed_indices(x, q_res, batch, seq, cache, rope, cos, sin)
             extra_cache = cache.comp
         out, _ = ops.sparse_mla_attention(
-            q.contiguous(), cache.window, win_idx.contiguous(), d**-0.5, attn_sink=self.sinks,
+            q.contiguous(), cache.window, win_idx, d**-0.5, attn_sink=self.sinks,
             extra_kv_cache=extra_cache, extra_indices=extra_idx)
         out = apply_rope(out, cos, sin, inverse=True)  # undo RoPE carried by V = K (query position)
         G = c.o_groups
@@ -231,6 +228,26 @@ class Attention(nn.Module):
         y = torch.bmm(grouped.transpose(0, 1), w_a.transpose(1, 2))  # [G, T', d_g]
         y = y.transpose(0, 1)[:T].reshape(T, G * c.o_lora_rank)
         return self.o_b_proj(y)
+
+    @staticmethod
+    def _hca_slots(batch: ForwardBatch, tables: torch.Tensor, visible: torch.Tensor, width: int,
+                   Bc: int) -> torch.Tensor:
+        """HCA: every query's visible entries' slots [T, width] int32 (-1 = none)."""
+        seq = batch.seq_of_token()
+        chosen = torch.arange(width, device=seq.device)[None, :].expand(seq.shape[0], width)
+        chosen = torch.where(chosen < visible[:, None], chosen, -1)
+        slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), Bc)
+        return torch.where(chosen >= 0, slots, -1).to(torch.int32)
+
+    def _window_slots(self, batch: ForwardBatch, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache slots this step's tokens write [T], and each query's window of its last W
+        positions [T, W] int32 (-1 before the sequence's start); the same for every layer."""
+        pos, seq, W = batch.positions, batch.seq_of_token(), self.config.sliding_window
+        write = slots_of(batch.window_tables, seq, pos, B)
+        win_pos = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)
+        win_idx = slots_of(batch.window_tables, seq[:, None].expand_as(win_pos),
+                           win_pos.clamp(min=0), B)
+        return write, torch.where(win_pos >= 0, win_idx, -1).to(torch.int32).contiguous()
 
     def _compressed_indices(self, x, q_res, batch: ForwardBatch, seq, cache: LayerCache,
                             rope: RopeTables, cos, sin) -> torch.Tensor:
@@ -255,13 +272,11 @@ class Attention(nn.Module):
         # before its position.
         totals = [(batch.context_lens[i] + batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]) // m
                   for i in range(batch.num_seqs)]
-        visible = torch.div(batch.positions + 1, m, rounding_mode="floor")
+        visible = batch.derived(("visible", m),
+                                lambda: torch.div(batch.positions + 1, m, rounding_mode="floor"))
         if not csa:  # HCA: every closed window is visible, for all queries at once
-            width = max(totals + [0])
-            chosen = torch.arange(width, device=x.device)[None, :].expand(x.shape[0], width)
-            chosen = torch.where(chosen < visible[:, None], chosen, -1)
-            slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), Bc)
-            return torch.where(chosen >= 0, slots, -1).to(torch.int32)
+            return batch.derived(("hca", m, Bc), lambda: self._hca_slots(batch, tables, visible,
+                                                                        max(totals + [0]), Bc))
         ix = comp.indexer
         store(cache.index, ix, cache.state["indexer"])
         iq, iw = ix.queries(x, q_res, cos, sin)

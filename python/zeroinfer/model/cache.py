@@ -113,6 +113,16 @@ class ForwardBatch:
             self.__dict__["_seq"] = seq
         return seq
 
+    def derived(self, key, make):
+        """What `make()` derives from this batch alone, made once a step and shared by every
+        layer that asks with the same key (the RoPE tables at the queries' positions, the window
+        slots, the entries each query sees): the layers would otherwise each launch the same
+        few torch ops."""
+        memo = self.__dict__.setdefault("_derived", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
 
 def host_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A tensor of host values (a list) on `device`, copied without a host synchronisation (a
