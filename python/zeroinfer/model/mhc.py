@@ -12,6 +12,11 @@ from zeroinfer.model.linear import linear, pad_rows
 from zeroinfer.model.norm import rms_norm_unweighted
 
 
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """t as float32, without a torch call where it already is (the parameters are)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 class HyperConnection(nn.Module):
     def __init__(self, hc_mult: int, hidden: int, iters: int, eps: float, norm_eps: float) -> None:
         super().__init__()
@@ -26,13 +31,15 @@ class HyperConnection(nn.Module):
         # Padded rows: torch's vectorised kernels (rsqrt here) round differently from their
         # scalar tail loops, so a tensor whose size is not a multiple of the vector width would
         # give the last tokens of a batch different bits than the same tokens elsewhere.
-        streams, T = pad_rows(streams)
-        flat = rms_norm_unweighted(streams.flatten(1).float(), self.norm_eps)
-        z = linear(flat, self.fn.float())
+        padded, T = pad_rows(streams)
+        flat = rms_norm_unweighted(f32(padded.flatten(1)), self.norm_eps)
+        z = linear(flat, f32(self.fn))
         # pre, post and the Sinkhorn-normalised comb in one launch (~130 torch calls at 20 iters).
-        pre, post, comb = ops.mhc_mixes(z, self.scale.float(), self.base.float(), streams=self.n,
+        pre, post, comb = ops.mhc_mixes(z, f32(self.scale), f32(self.base), streams=self.n,
                                         iters=self.iters, eps=self.eps)
-        return post[:T], comb[:T], ops.mhc_collapse(pre[:T], streams[:T])
+        if padded is not streams:
+            pre, post, comb = pre[:T], post[:T], comb[:T]
+        return post, comb, ops.mhc_collapse(pre, streams)
 
     @staticmethod
     def mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
@@ -53,8 +60,8 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        streams, T = pad_rows(streams)  # see HyperConnection.weights
-        flat = rms_norm_unweighted(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(linear(flat, self.hc_fn.float()) * self.hc_scale.float()
-                            + self.hc_base.float()) + self.eps
-        return ops.mhc_collapse(pre[:T], streams[:T])
+        padded, T = pad_rows(streams)  # see HyperConnection.weights
+        flat = rms_norm_unweighted(f32(padded.flatten(1)), self.norm_eps)
+        pre = torch.sigmoid(linear(flat, f32(self.hc_fn)) * f32(self.hc_scale)
+                            + f32(self.hc_base)) + self.eps
+        return ops.mhc_collapse(pre[:T], streams)
