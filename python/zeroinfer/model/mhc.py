@@ -28,17 +28,13 @@ class HyperConnection(nn.Module):
 
     def weights(self, streams: torch.Tensor):
         """streams [T, N, D] -> (post [T, N] f32, comb [T, N, N] f32, collapsed [T, D])."""
-        # Padded rows: torch's vectorised kernels (rsqrt here) round differently from their
-        # scalar tail loops, so a tensor whose size is not a multiple of the vector width would
-        # give the last tokens of a batch different bits than the same tokens elsewhere.
-        padded, T = pad_rows(streams)
-        flat = rms_norm_unweighted(f32(padded.flatten(1)), self.norm_eps)
+        # Every step is row-independent (the norm and the mixes are our ops, linear pads its own
+        # rows), so unlike HyperHead's sigmoid nothing here needs the rows padded.
+        flat = rms_norm_unweighted(f32(streams.flatten(1)), self.norm_eps)
         z = linear(flat, f32(self.fn))
         # pre, post and the Sinkhorn-normalised comb in one launch (~130 torch calls at 20 iters).
         pre, post, comb = ops.mhc_mixes(z, f32(self.scale), f32(self.base), streams=self.n,
                                         iters=self.iters, eps=self.eps)
-        if padded is not streams:
-            pre, post, comb = pre[:T], post[:T], comb[:T]
         return post, comb, ops.mhc_collapse(pre, streams)
 
     @staticmethod
@@ -60,7 +56,10 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        padded, T = pad_rows(streams)  # see HyperConnection.weights
+        # Padded rows: torch's vectorised kernels (sigmoid here) round differently from their
+        # scalar tail loops, so a tensor whose size is not a multiple of the vector width would
+        # give the last tokens of a batch different bits than the same tokens elsewhere.
+        padded, T = pad_rows(streams)
         flat = rms_norm_unweighted(f32(padded.flatten(1)), self.norm_eps)
         pre = torch.sigmoid(linear(flat, f32(self.hc_fn)) * f32(self.hc_scale)
                             + f32(self.hc_base)) + self.eps
