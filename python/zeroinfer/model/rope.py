@@ -58,4 +58,4 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     """Rotate the trailing 2*cos.shape[-1] channels of x [T, ..., d] in interleaved pairs, in
     float32 with one rounding a product and a sum (HF's bits; inverse: by -angle). cos/sin:
     [T, r/2]; they broadcast over the middle (head) dims."""
-    return ops.rope_rotate(x.contiguous(), cos, sin, inverse=inverse)
+    return ops.rope_rotate(x if x.is_contiguous() else x.contiguous(), cos, sin, inverse=inverse)

@@ -11,6 +11,8 @@ de-rotation), bitwise as passing -sin. The CPU twin and the CUDA kernel give the
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from zeroinfer import _C
@@ -50,7 +52,7 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, invers
     else:
         check_tensor(op, "out", out, dtypes=(x.dtype,), shape=tuple(x.shape), device=dev)
         check_no_alias(op, {"out": out}, {"x": x, "cos": cos, "sin": sin})
-    heads = x[0].numel() // dim if tokens else 0
+    heads = math.prod(x.shape[1:-1])  # vectors a token
     _C.rope_rotate(use_cuda(dev, op), tokens, heads, dim, half, dtype_code(x), dtype_code(cos),
                    inverse, ptr(x), ptr(cos), ptr(sin), ptr(out), stream_of(dev))
     return out
