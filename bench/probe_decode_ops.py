@@ -12,7 +12,9 @@ zeroinfer function on the stack. The emulated CPU device runs the round inline s
 seen. Measured (session 35), the 4-layer dummy model at batch 1 / 8 / 32: 2910 / 5290 / 13358
 calls a step at a83ed14 (1136 of them the hyper-connections' Sinkhorn loops; most of the rest at
 batch 32 the compressors' and indexer's per-sequence loops), 1768 / 2160 / 3444 with mhc_mixes
-and the batched compressors and indexer projections.
+and the batched compressors and indexer projections, 1218 / 1610 / 2894 with mhc_collapse / mhc_mix
+and rope_rotate (session 36), 637 / 637 / 526 with indexer_scores, rms_norm and the per-step
+derived tensors (session 37).
 """
 
 from __future__ import annotations
