@@ -17,7 +17,6 @@ constexpr int64_t kLanes = 32;
 
 template <class K>
 void score_row(const IndexerScoresParams& p, int64_t t, std::vector<float>& kt) {
-  using indexer_detail::load;
   const K* keys = static_cast<const K*>(p.keys);
   const float* q = p.q + t * p.heads * p.dim;
   const float* w = p.weights + t * p.heads;
@@ -29,7 +28,8 @@ void score_row(const IndexerScoresParams& p, int64_t t, std::vector<float>& kt) 
     for (int64_t j = 0; j < kLanes; ++j) {  // kt[i * 8 + j]: channel i of entry s0 + j
       const int64_t off = j < lanes ? indexer_key_offset(p, t, s0 + j) : -1;
       bad[j] = off < 0;
-      for (int64_t i = 0; i < p.dim; ++i) kt[i * kLanes + j] = off < 0 ? 0.f : load(keys, off + i);
+      for (int64_t i = 0; i < p.dim; ++i)
+        kt[i * kLanes + j] = off < 0 ? 0.f : to_float(keys[off + i]);
     }
     float acc[kLanes] = {};
     for (int64_t h = 0; h < p.heads; ++h) {

@@ -13,12 +13,11 @@ namespace {
 
 template <class T>
 void norm_row(const RmsNormParams& p, const T* x, T* y) {
-  using namespace rms_detail;
   float lanes[kRmsNormLanes] = {};
   for (int64_t i0 = 0; i0 < p.dim; i0 += kRmsNormLanes) {
     const int n = static_cast<int>(std::min<int64_t>(kRmsNormLanes, p.dim - i0));
     for (int j = 0; j < n; ++j) {
-      const float v = load(x, i0 + j);
+      const float v = to_float(x[i0 + j]);
       lanes[j] = add_rn(lanes[j], mul_rn(v, v));
     }
   }
@@ -26,10 +25,11 @@ void norm_row(const RmsNormParams& p, const T* x, T* y) {
     for (int j = 0; j < h; ++j) lanes[j] = add_rn(lanes[j], lanes[j + h]);
   const float r = rms_factor(lanes[0], p.dim, p.eps);
   if (p.weight) {
-    for (int64_t i = 0; i < p.dim; ++i) store(y, i, mul_rn(p.weight[i], mul_rn(load(x, i), r)));
+    for (int64_t i = 0; i < p.dim; ++i)
+      y[i] = from_float<T>(mul_rn(p.weight[i], mul_rn(to_float(x[i]), r)));
   } else {
-    const float rt = round_to(T{}, r);
-    for (int64_t i = 0; i < p.dim; ++i) store(y, i, mul_rn(load(x, i), rt));
+    const float rt = round_to<T>(r);
+    for (int64_t i = 0; i < p.dim; ++i) y[i] = from_float<T>(mul_rn(to_float(x[i]), rt));
   }
 }
 

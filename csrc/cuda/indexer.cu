@@ -28,7 +28,6 @@ constexpr int kPass = 32;      // heads, and channels, a pass
 
 template <class K>
 __global__ void __launch_bounds__(kEntries) indexer_scores_kernel(IndexerScoresParams p) {
-  using indexer_detail::load;
   __shared__ float ks[kPass][kEntries + 1];       // [channel][entry]
   __shared__ __align__(16) float qs[kPass][kPass];  // [channel][head]
   const int64_t t = blockIdx.x;
@@ -57,7 +56,7 @@ __global__ void __launch_bounds__(kEntries) indexer_scores_kernel(IndexerScoresP
       __syncthreads();  // the last pass's reads of ks / qs are done
       for (int r = 0; r < 32; ++r) {  // the warp's 32 rows, channel i0 + lane of each
         const int64_t off = __shfl_sync(0xffffffffu, row_off, r);
-        ks[lane][warp * 32 + r] = off >= 0 && lane < nc ? load(keys, off + i0 + lane) : 0.f;
+        ks[lane][warp * 32 + r] = off >= 0 && lane < nc ? to_float(keys[off + i0 + lane]) : 0.f;
       }
       for (int e = tid; e < kPass * kPass; e += kEntries) {  // qs[i][h] = q[h0 + h][i0 + i]
         const int h = e / kPass, i = e % kPass;

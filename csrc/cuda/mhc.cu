@@ -38,78 +38,67 @@ __global__ void __launch_bounds__(kApplyThreads) mhc_mix_kernel(MhcMixParams p) 
   if (i < p.num_tokens * p.dim) mhc_mix_elem<T, N>(p, i / p.dim, i % p.dim);
 }
 
-// 16 bytes of bf16: 4 bf16x2 pairs. bf16 x bf16 -> bf16 (mul.rn.bf16x2) is round_to<bf16> of the
-// float product, which is exact; bf16 + bf16 -> bf16 (add.rn.bf16x2) is round_to<bf16> of the
-// float sum: rounding to float first and then to bf16 cannot differ from rounding once (24 >= 2 *
-// 8 + 2 bits: double rounding is innocuous for +, -, x). Subnormals kept by both; the _rn forms are
-// never contracted into an fma. So each term is mhc_mix_elem's, two outputs an instruction.
-struct Bf16x8 {
-  __nv_bfloat162 h[4];
+// mix on 16 bytes of a row a thread: four lanes of the arithmetic type, float32 for float32
+// streams and bf16x2 pairs for bf16 ones. bf16 x bf16 -> bf16 (mul.rn.bf16x2) is round_to<bf16>
+// of the float product, which is exact; bf16 + bf16 -> bf16 (add.rn.bf16x2) is round_to<bf16> of
+// the float sum: rounding to float first and then to bf16 cannot differ from rounding once (24 >=
+// 2 * 8 + 2 bits: double rounding is innocuous for +, -, x). Subnormals kept by both; the _rn
+// forms are never contracted into an fma. So each term is mhc_mix_elem's, in bf16 two outputs an
+// instruction.
+template <class T>
+struct MixLanes;
+
+template <>
+struct MixLanes<float> {
+  using Lane = float;
+  static __device__ __forceinline__ Lane splat(float v) { return v; }
+  static __device__ __forceinline__ Lane mul(Lane a, Lane b) { return mul_rn(a, b); }
+  static __device__ __forceinline__ Lane add(Lane a, Lane b) { return add_rn(a, b); }
 };
 
-__device__ __forceinline__ __nv_bfloat162 bf16_pair(float v) {
-  return __bfloat162bfloat162(__float2bfloat16_rn(v));
-}
-
-template <int N>
-__global__ void __launch_bounds__(kApplyThreads) mhc_mix_bf16_vec_kernel(MhcMixParams p) {
-  const int64_t vecs = p.dim / 8;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kApplyThreads + threadIdx.x;
-  if (i >= p.num_tokens * vecs) return;
-  const int64_t t = i / vecs, d = (i - t * vecs) * 8;
-  const uint16_t* x = static_cast<const uint16_t*>(p.x_in) + t * N * p.dim + d;
-  Bf16x8 xs[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) xs[j] = *reinterpret_cast<const Bf16x8*>(x + j * p.dim);
-  const Bf16x8 o =
-      *reinterpret_cast<const Bf16x8*>(static_cast<const uint16_t*>(p.block) + t * p.dim + d);
-  const float* post = p.post + t * N;
-  const float* comb = p.comb + t * N * N;
-  uint16_t* y = static_cast<uint16_t*>(p.y_out) + t * N * p.dim + d;
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    const __nv_bfloat162 pk = bf16_pair(post[k]);
-    Bf16x8 acc;
-#pragma unroll
-    for (int h = 0; h < 4; ++h) acc.h[h] = __hmul2_rn(pk, o.h[h]);
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const __nv_bfloat162 c = bf16_pair(comb[j * N + k]);
-#pragma unroll
-      for (int h = 0; h < 4; ++h) acc.h[h] = __hadd2_rn(acc.h[h], __hmul2_rn(c, xs[j].h[h]));
-    }
-    *reinterpret_cast<Bf16x8*>(y + k * p.dim) = acc;
+template <>
+struct MixLanes<uint16_t> {
+  using Lane = __nv_bfloat162;
+  static __device__ __forceinline__ Lane splat(float v) {
+    return __bfloat162bfloat162(__float2bfloat16_rn(v));
   }
-}
+  static __device__ __forceinline__ Lane mul(Lane a, Lane b) { return __hmul2_rn(a, b); }
+  static __device__ __forceinline__ Lane add(Lane a, Lane b) { return __hadd2_rn(a, b); }
+};
 
-template <int N>
-__global__ void __launch_bounds__(kApplyThreads) mhc_mix_f32_vec_kernel(MhcMixParams p) {
-  const int64_t vecs = p.dim / 4;
+template <class T, int N>
+__global__ void __launch_bounds__(kApplyThreads) mhc_mix_vec_kernel(MhcMixParams p) {
+  using L = MixLanes<T>;
+  struct Chunk {
+    typename L::Lane h[4];
+  };
+  static_assert(sizeof(Chunk) == 16, "16 bytes of a row");
+  constexpr int V = 16 / sizeof(T);  // dims a chunk
+  const int64_t vecs = p.dim / V;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kApplyThreads + threadIdx.x;
   if (i >= p.num_tokens * vecs) return;
-  const int64_t t = i / vecs, d = (i - t * vecs) * 4;
-  const float* x = static_cast<const float*>(p.x_in) + t * N * p.dim + d;
-  float4 xs[N];
+  const int64_t t = i / vecs, d = (i - t * vecs) * V;
+  const T* x = static_cast<const T*>(p.x_in) + t * N * p.dim + d;
+  Chunk xs[N];
 #pragma unroll
-  for (int j = 0; j < N; ++j) xs[j] = *reinterpret_cast<const float4*>(x + j * p.dim);
-  const float4 o =
-      *reinterpret_cast<const float4*>(static_cast<const float*>(p.block) + t * p.dim + d);
+  for (int j = 0; j < N; ++j) xs[j] = *reinterpret_cast<const Chunk*>(x + j * p.dim);
+  const Chunk o = *reinterpret_cast<const Chunk*>(static_cast<const T*>(p.block) + t * p.dim + d);
   const float* post = p.post + t * N;
   const float* comb = p.comb + t * N * N;
-  float* y = static_cast<float*>(p.y_out) + t * N * p.dim + d;
+  T* y = static_cast<T*>(p.y_out) + t * N * p.dim + d;
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    const float pk = post[k];
-    float4 acc = make_float4(mul_rn(pk, o.x), mul_rn(pk, o.y), mul_rn(pk, o.z), mul_rn(pk, o.w));
+    const typename L::Lane pk = L::splat(post[k]);
+    Chunk acc;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) acc.h[h] = L::mul(pk, o.h[h]);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const float c = comb[j * N + k];
-      acc.x = add_rn(acc.x, mul_rn(c, xs[j].x));
-      acc.y = add_rn(acc.y, mul_rn(c, xs[j].y));
-      acc.z = add_rn(acc.z, mul_rn(c, xs[j].z));
-      acc.w = add_rn(acc.w, mul_rn(c, xs[j].w));
+      const typename L::Lane c = L::splat(comb[j * N + k]);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) acc.h[h] = L::add(acc.h[h], L::mul(c, xs[j].h[h]));
     }
-    *reinterpret_cast<float4*>(y + k * p.dim) = acc;
+    *reinterpret_cast<Chunk*>(y + k * p.dim) = acc;
   }
 }
 
@@ -117,7 +106,6 @@ __global__ void __launch_bounds__(kApplyThreads) mhc_mix_f32_vec_kernel(MhcMixPa
 // float32 arithmetic on each, the token's pre loaded once for all of them.
 template <class T, int N>
 __global__ void __launch_bounds__(kApplyThreads) mhc_collapse_vec_kernel(MhcCollapseParams p) {
-  using namespace mhc_detail;
   constexpr int V = 16 / sizeof(T);
   union Vec {
     uint4 raw;
@@ -194,12 +182,10 @@ void mhc_mix_cuda(const MhcMixParams& p, void* stream) {
   mhc_dispatch_apply(p.dtype, p.streams, [&](auto type, auto n) {
     using T = decltype(type);
     constexpr int N = decltype(n)::value;
-    if (!vectors) {
-      mhc_mix_kernel<T, N><<<blocks, kApplyThreads, 0, s>>>(p);
-    } else if constexpr (std::is_same_v<T, float>) {
-      mhc_mix_f32_vec_kernel<N><<<blocks, kApplyThreads, 0, s>>>(p);
+    if (vectors) {
+      mhc_mix_vec_kernel<T, N><<<blocks, kApplyThreads, 0, s>>>(p);
     } else {
-      mhc_mix_bf16_vec_kernel<N><<<blocks, kApplyThreads, 0, s>>>(p);
+      mhc_mix_kernel<T, N><<<blocks, kApplyThreads, 0, s>>>(p);
     }
   });
   ZI_CUDA_CHECK_LAUNCH("mhc_mix");

@@ -48,9 +48,6 @@ struct IndexerScoresParams {
 
 namespace indexer_detail {
 
-ZI_HD float load(const float* p, int64_t i) { return p[i]; }
-ZI_HD float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-
 ZI_HD int64_t index_at(const IndexerScoresParams& p, const void* v, int64_t t) {
   return p.index64 ? static_cast<const int64_t*>(v)[t] : static_cast<const int32_t*>(v)[t];
 }

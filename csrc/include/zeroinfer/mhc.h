@@ -151,30 +151,8 @@ struct MhcMixParams {
   void* y_out;          // y [T, N, D] out
 };
 
-namespace mhc_detail {
-
-// Storage of the streams: float, or bf16 as its bits.
-ZI_HD float to_float(float v) { return v; }
-ZI_HD float to_float(uint16_t v) { return bf16_to_float(v); }
-template <class T>
-ZI_HD T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return float_to_bf16(v);
-  }
-}
-// v rounded to T's precision, as a float.
-template <class T>
-ZI_HD float round_to(float v) {
-  return to_float(from_float<T>(v));
-}
-
-}  // namespace mhc_detail
-
 template <class T, int N>
 ZI_HD void mhc_collapse_elem(const MhcCollapseParams& p, int64_t t, int64_t d) {
-  using namespace mhc_detail;
   const T* x = static_cast<const T*>(p.x_in) + t * N * p.dim + d;
   const float* pre = p.pre + t * N;
   float acc = mul_rn(pre[0], to_float(x[0]));
@@ -185,7 +163,6 @@ ZI_HD void mhc_collapse_elem(const MhcCollapseParams& p, int64_t t, int64_t d) {
 // All N output streams of (t, d): each input element is read once.
 template <class T, int N>
 ZI_HD void mhc_mix_elem(const MhcMixParams& p, int64_t t, int64_t d) {
-  using namespace mhc_detail;
   const T* x = static_cast<const T*>(p.x_in) + t * N * p.dim + d;
   float xs[N];
   for (int j = 0; j < N; ++j) xs[j] = to_float(x[j * p.dim]);

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -79,6 +80,41 @@ ZI_HD float sub_rn(float a, float b) {
 #else
   return a - b;
 #endif
+}
+
+// Correctly rounded division and square root (the device's defaults are approximate).
+ZI_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+ZI_HD float sqrt_rn(float v) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(v);
+#else
+  return std::sqrt(v);
+#endif
+}
+
+// Storage of the elementwise kernels' arrays: float32, or bf16 as its bits. to_float widens a
+// stored value, from_float<T> narrows a float to T (round to nearest even), round_to<T> is the
+// float that storing in T keeps.
+ZI_HD float to_float(float v) { return v; }
+ZI_HD float to_float(uint16_t v) { return bf16_to_float(v); }
+template <class T>
+ZI_HD T from_float(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return float_to_bf16(v);
+  }
+}
+template <class T>
+ZI_HD float round_to(float v) {
+  return to_float(from_float<T>(v));
 }
 
 ZI_HD float fp8e4m3_to_float(uint8_t b) {

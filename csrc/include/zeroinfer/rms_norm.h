@@ -13,7 +13,6 @@
 // Reference: zeroinfer.reference.rms_norm.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 
 #include "zeroinfer/common.h"
@@ -33,40 +32,12 @@ struct RmsNormParams {
   void* y;              // [rows, D] out
 };
 
-namespace rms_detail {
-
-ZI_HD float load(const float* p, int64_t i) { return p[i]; }
-ZI_HD float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-ZI_HD void store(float* p, int64_t i, float v) { p[i] = v; }
-ZI_HD void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
-ZI_HD float round_to(float, float v) { return v; }
-ZI_HD float round_to(uint16_t, float v) { return bf16_to_float(float_to_bf16(v)); }
-
-ZI_HD float sqrt_rn(float v) {
-#if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(v);
-#else
-  return std::sqrt(v);
-#endif
-}
-
-ZI_HD float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
-}  // namespace rms_detail
-
 // Lane j's partial sum of squares of row x (D elements).
 template <class T>
 ZI_HD float rms_lane_sum(const T* x, int64_t dim, int lane) {
-  using rms_detail::load;
   float s = 0.f;
   for (int64_t i = lane; i < dim; i += kRmsNormLanes) {
-    const float v = load(x, i);
+    const float v = to_float(x[i]);
     s = add_rn(s, mul_rn(v, v));
   }
   return s;
@@ -74,19 +45,17 @@ ZI_HD float rms_lane_sum(const T* x, int64_t dim, int lane) {
 
 // r from the folded sum of squares.
 ZI_HD float rms_factor(float sum_sq, int64_t dim, float eps) {
-  using namespace rms_detail;
   return div_rn(1.f, sqrt_rn(add_rn(div_rn(sum_sq, static_cast<float>(dim)), eps)));
 }
 
 // Element i of the output row (the CPU twin inlines the same arithmetic per row).
 template <class T>
 ZI_HD void rms_apply(const RmsNormParams& p, const T* x, T* y, float r, int64_t i) {
-  using namespace rms_detail;
-  const float v = load(x, i);
+  const float v = to_float(x[i]);
   if (p.weight) {
-    store(y, i, mul_rn(p.weight[i], mul_rn(v, r)));
+    y[i] = from_float<T>(mul_rn(p.weight[i], mul_rn(v, r)));
   } else {
-    store(y, i, mul_rn(v, round_to(T{}, r)));
+    y[i] = from_float<T>(mul_rn(v, round_to<T>(r)));
   }
 }
 

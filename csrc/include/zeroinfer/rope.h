@@ -11,7 +11,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "zeroinfer/common.h"
 #include "zeroinfer/numeric.h"
@@ -32,20 +31,10 @@ struct RopeParams {
   void* out;            // [T, heads, d] out
 };
 
-namespace rope_detail {
-
-ZI_HD float load(const float* p, int64_t i) { return p[i]; }
-ZI_HD float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-ZI_HD void store(float* p, int64_t i, float v) { p[i] = v; }
-ZI_HD void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
-
-}  // namespace rope_detail
-
 // Output pair `i` (0 <= i < d / 2) of vector (t, h): a rotated pair in the last r channels, else
 // two copied channels. (d is even whenever r is: the callers check it.)
 template <class T, class C>
 ZI_HD void rope_pair(const RopeParams& p, int64_t t, int64_t h, int64_t i) {
-  using namespace rope_detail;
   const int64_t base = (t * p.heads + h) * p.dim;
   const T* x = static_cast<const T*>(p.x) + base;
   T* out = static_cast<T*>(p.out) + base;
@@ -56,15 +45,15 @@ ZI_HD void rope_pair(const RopeParams& p, int64_t t, int64_t h, int64_t i) {
     return;
   }
   const int64_t j = t * p.half_rope + (i - first);
-  const float c = load(static_cast<const C*>(p.cos), j);
-  const float s = load(static_cast<const C*>(p.sin), j);
-  const float even = load(x, 2 * i), odd = load(x, 2 * i + 1);
+  const float c = to_float(static_cast<const C*>(p.cos)[j]);
+  const float s = to_float(static_cast<const C*>(p.sin)[j]);
+  const float even = to_float(x[2 * i]), odd = to_float(x[2 * i + 1]);
   if (p.inverse) {
-    store(out, 2 * i, add_rn(mul_rn(even, c), mul_rn(odd, s)));
-    store(out, 2 * i + 1, sub_rn(mul_rn(odd, c), mul_rn(even, s)));
+    out[2 * i] = from_float<T>(add_rn(mul_rn(even, c), mul_rn(odd, s)));
+    out[2 * i + 1] = from_float<T>(sub_rn(mul_rn(odd, c), mul_rn(even, s)));
   } else {
-    store(out, 2 * i, sub_rn(mul_rn(even, c), mul_rn(odd, s)));
-    store(out, 2 * i + 1, add_rn(mul_rn(odd, c), mul_rn(even, s)));
+    out[2 * i] = from_float<T>(sub_rn(mul_rn(even, c), mul_rn(odd, s)));
+    out[2 * i + 1] = from_float<T>(add_rn(mul_rn(odd, c), mul_rn(even, s)));
   }
 }
 
