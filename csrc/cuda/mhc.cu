@@ -1,7 +1,10 @@
 // CUDA mHC kernels (contract in zeroinfer/mhc.h).
-// mixes: one thread a token, the N x N matrix in registers. A decode step has a few to a few
-// hundred tokens, so the launch is the cost; what matters is that the ~6 * iters torch ops of a
-// Sinkhorn loop become this one launch.
+// mixes: a token's N x N matrix spread over the lanes of a warp, one entry a lane (N <= 5; V4's
+// N = 4: two tokens a warp) or one row a lane (N = 6..8), row and column sums gathered with
+// shuffles in index order. A decode step has one to a few hundred tokens, so this is latency:
+// one thread a token (mhc_mixes_token, the CPU twin's loop) ran 2 * iters * N^2 correctly
+// rounded divisions back to back, ~23 us at V4's shape on an H100; a lane here runs 2 * iters.
+// Every entry sees the operations of mhc_mixes_token in the same order, so the bits are its.
 // collapse / mix: one thread a (token, dim), consecutive threads on consecutive dims (coalesced
 // loads of each stream's row); mix reads a (token, dim)'s N stream values once for its N outputs.
 // Where rows are 16-byte aligned (the model's case) collapse and mix take 16 bytes of a (token,
@@ -20,10 +23,103 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kApplyThreads = 256;
 
+// How a token's N x N entries sit on a warp's lanes: entry e = r * N + k is on lane e / kPerLane
+// of the token's group, in its register e % kPerLane.
+template <int N>
+struct MixesLanes {
+  static constexpr int kPerLane = N * N <= 32 ? 1 : N;
+  static constexpr int kLanes = N * N / kPerLane;         // lanes a token
+  static constexpr int kTokensPerWarp = 32 / kLanes;
+};
+
 template <int N>
 __global__ void __launch_bounds__(kThreads) mhc_mixes_kernel(MhcMixesParams p) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (t < p.num_tokens) mhc_mixes_token<N>(p, t);
+  using mhc_detail::exp_f;
+  using mhc_detail::sigmoid;
+  using L = MixesLanes<N>;
+  constexpr int P = L::kPerLane;
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  // Lanes past the last whole group (32 % kLanes of them) shadow the last group: every lane
+  // takes part in every shuffle (full mask) and reads in bounds; only live lanes store.
+  const int group = min(lane / L::kLanes, L::kTokensPerWarp - 1);
+  const int base = group * L::kLanes;
+  const int sub = lane - base < L::kLanes ? lane - base : lane - base - L::kLanes;
+  const int64_t token = warp * L::kTokensPerWarp + group;
+  const bool live = lane / L::kLanes < L::kTokensPerWarp && token < p.num_tokens;
+  const int64_t t = token < p.num_tokens ? token : 0;
+  const float* z = p.z + t * ((2 + N) * N);
+  const float eps = p.eps;
+
+  for (int i = sub; i < 2 * N; i += L::kLanes) {
+    const float v = i < N ? sigmoid(z[i] * p.scale[0] + p.base[i]) + eps
+                          : 2.f * sigmoid(z[i] * p.scale[1] + p.base[i]);
+    if (live) (i < N ? p.pre[t * N + i] : p.post[t * N + i - N]) = v;
+  }
+
+  // My entries: (row, col of register j) = (r0, k0 + j) with P = N (a row), or (r0, k0), P = 1.
+  const int r0 = P == 1 ? sub / N : sub;
+  const int k0 = P == 1 ? sub % N : 0;
+  float c[P];
+  // Entry (r, k) of the token's matrix, from the lane that holds it. In the row-a-lane layout
+  // the register is k, so k must be a compile-time index there (every caller's loop unrolls).
+  auto at = [&](int r, int k) {
+    if constexpr (P == 1) {
+      return __shfl_sync(kAll, c[0], base + r * N + k);
+    } else {
+      return __shfl_sync(kAll, c[k], base + r);
+    }
+  };
+  const float s_comb = p.scale[2];
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    const int e = 2 * N + r0 * N + k0 + j;
+    c[j] = z[e] * s_comb + p.base[e];
+  }
+  {  // softmax over the row: max, exp, in-order sum, divide, + eps
+    float m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < N; ++k) m = fmaxf(m, at(r0, k));
+#pragma unroll
+    for (int j = 0; j < P; ++j) c[j] = exp_f(c[j] - m);
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) sum += at(r0, k);
+#pragma unroll
+    for (int j = 0; j < P; ++j) c[j] = c[j] / sum + eps;
+  }
+  auto normalise_rows = [&] {
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) sum += at(r0, k);
+#pragma unroll
+    for (int j = 0; j < P; ++j) c[j] = c[j] / (sum + eps);
+  };
+  auto normalise_columns = [&] {
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < N; ++r) {
+        if constexpr (P == 1) {
+          sum += at(r, k0);
+        } else {
+          sum += __shfl_sync(kAll, c[j], base + r);  // entry (r, j)
+        }
+      }
+      c[j] = c[j] / (sum + eps);
+    }
+  };
+  normalise_columns();
+  for (int it = 1; it < p.iters; ++it) {
+    normalise_rows();
+    normalise_columns();
+  }
+  if (live) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) p.comb[(t * N + r0) * N + k0 + j] = c[j];
+  }
 }
 
 template <class T, int N>
@@ -146,10 +242,14 @@ unsigned apply_blocks(int64_t elems) {
 void mhc_mixes_cuda(const MhcMixesParams& p, void* stream) {
   ZI_CHECK(p.iters >= 1, "mhc_mixes: iters must be >= 1");
   if (p.num_tokens == 0) return;
-  const int64_t blocks = (p.num_tokens + kThreads - 1) / kThreads;
   mhc_dispatch_streams(p.streams, [&](auto n) {
-    mhc_mixes_kernel<decltype(n)::value><<<static_cast<unsigned>(blocks), kThreads, 0,
-                                           static_cast<cudaStream_t>(stream)>>>(p);
+    constexpr int N = decltype(n)::value;
+    const int64_t warps = (p.num_tokens + MixesLanes<N>::kTokensPerWarp - 1) /
+                          MixesLanes<N>::kTokensPerWarp;
+    const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
+    ZI_CHECK(blocks <= 0x7fffffff, "mhc_mixes: too many tokens for one launch");
+    mhc_mixes_kernel<N><<<static_cast<unsigned>(blocks), kThreads, 0,
+                          static_cast<cudaStream_t>(stream)>>>(p);
   });
   ZI_CUDA_CHECK_LAUNCH("mhc_mixes");
 }

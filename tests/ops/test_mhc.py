@@ -71,6 +71,19 @@ def test_each_token_is_independent_of_the_batch(gen):
             assert torch.equal(a, b[lo:hi])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4, 6])
+def test_cuda_token_is_independent_of_the_batch(gen, n):
+    """On CUDA too: a token's bits do not depend on its lane group, warp or batch size."""
+    z, scale, base = (t.cuda() for t in random_inputs(gen, 133, n))
+    kw = dict(streams=n, iters=20, eps=1e-6)
+    full = mhc_mixes(z, scale, base, **kw)
+    for lo, hi in ((0, 1), (1, 2), (5, 6), (17, 50), (132, 133)):
+        part = mhc_mixes(z[lo:hi].contiguous(), scale, base, **kw)
+        for a, b in zip(part, full):
+            assert torch.equal(a, b[lo:hi])
+
+
 def test_inputs_are_not_modified(gen):
     args = random_inputs(gen, 40, 4)
     before = [t.clone() for t in args]
@@ -107,9 +120,11 @@ def test_bad_arguments_name_what_was_expected(gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 3, 4, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 8])  # 32 / 8 / 3 / 2 / 1 / 5 / 4 tokens a warp
 @pytest.mark.parametrize("tokens", [1, 129, 4096])
 def test_cuda_matches_reference_and_cpu(gen, n, tokens):
+    """Both lane layouts of the CUDA kernel (an entry a lane for n <= 5, a row a lane above),
+    warps with idle lanes (n = 3, 5, 6) and partial last warps."""
     z, scale, base = random_inputs(gen, tokens, n)
     kw = dict(streams=n, iters=20, eps=1e-6)
     got = mhc_mixes(z.cuda(), scale.cuda(), base.cuda(), **kw, out=poisoned(tokens, n, "cuda"))

@@ -54,7 +54,8 @@ ZI_HD float exp_f(float x) {
 
 }  // namespace mhc_detail
 
-// Token t's mixes; N is a template argument so the N x N matrix lives in registers on the GPU.
+// Token t's mixes, one thread's loop: the CPU twin's, and the order of operations the CUDA kernel
+// (which spreads the matrix over a warp's lanes, cuda/mhc.cu) keeps entry by entry.
 template <int N>
 ZI_HD void mhc_mixes_token(const MhcMixesParams& p, int64_t t) {
   using mhc_detail::exp_f;
