@@ -1,14 +1,14 @@
 // CUDA indexer scores (contract in zeroinfer/indexer.h), two kernels:
 //
 // * bf16 keys with d a multiple of 16, d <= 128 (V4's index keys: 128): tensor cores. A CTA
-//   streams 64-entry tiles of one token's sequence (cp.async, two stages, rows padded so the
-//   fragment loads hit distinct banks); each of its 4 warps owns 16 heads as mma.sync's M, the
-//   entries are N, the channels K. q goes in as bf16, split in two (hi + lo, both bf16) when it
-//   is not bf16-exact, so the products keep float32's precision; the model's q is bf16-exact on
-//   the GPU and takes one MMA. Then w_h * relu per head and the sum over heads in a fixed tree
-//   (the thread's two heads, a butterfly over the warp's 8 row groups, the warps in order). The
-//   MMA's own summation order is not the CPU twin's chain, so these bits are not the CPU's -
-//   but they are a function of the row's inputs alone: batch-invariant, and deterministic.
+//   streams 64-entry tiles of one token's sequence (cp.async, a 3-stage ring, rows padded so
+//   ldmatrix hits distinct banks); the entries are mma.sync's M, the heads N (q's fragments
+//   held in registers), the channels K; each of its 4 warps takes 32 entries x 32 heads. q goes
+//   in as bf16, split in two (hi + lo, both bf16) when it is not bf16-exact, so the products
+//   keep float32's precision; the model's q is bf16-exact on the GPU and takes one MMA. Then
+//   w_h * relu per head and the sum over heads in a fixed tree (below). The MMA's own summation
+//   order is not the CPU twin's chain, so these bits are not the CPU's - but they are a
+//   function of the row's inputs alone: batch-invariant, and deterministic.
 // * anything else (float32 keys, other d): CUDA cores in the contract's exact order, the CPU
 //   twin's bits. A CTA scores 128 entries of one token, one entry a thread, in passes of 32
 //   heads x 32 channels staged in shared memory (keys transposed with a padded stride).
@@ -88,27 +88,51 @@ __global__ void __launch_bounds__(kEntries) indexer_scores_kernel(IndexerScoresP
 
 
 // ---- tensor cores -------------------------------------------------------------------------
-constexpr int kTcEntries = 64;            // entries a stage: 8 n-tiles of 8
-constexpr int kTcWarps = 4;               // 16 heads a warp: 64 heads a head group
+// The keys are mma.sync's A (entries as M, rows of the staged tile through ldmatrix) and q its B
+// (heads as N), so a warp holds its heads' q fragments in registers for the whole CTA and reads
+// each key of its entries from shared memory once: 4 warps = 2 entry halves (32 entries, two
+// m-tiles) x 2 head halves (32 heads, four n-tiles) of a 64-entry tile and a 64-head group.
+// (Heads as M instead - the first form - had every warp read the whole tile: twice the
+// shared-memory reads a tile, and 48 shuffles for its head sum against 8 here.)
+constexpr int kTcEntries = 64;            // entries a stage: 2 halves x 2 m-tiles of 16
+constexpr int kTcWarps = 4;
 constexpr int kTcThreads = 32 * kTcWarps;
+constexpr int kTcHeads = 64;              // heads a group: 2 halves x 4 n-tiles of 8
+constexpr int kTcStages = 3;              // 64-entry tiles in flight + the one being scored
 constexpr int kTcMaxDim = 128;
-constexpr int kTcPitch = kTcMaxDim + 8;   // bf16 a smem row: 272 bytes, rows 4 banks apart
+constexpr int kTcPitch = kTcMaxDim + 8;   // bf16 a smem row: 272 bytes, rows 4 banks apart,
+                                          // so ldmatrix's 8 rows of a chunk hit 32 banks
+constexpr int kTcRowsBytes = kTcStages * kTcEntries * kTcPitch * 2;
+constexpr int kTcSmemBytes = kTcRowsBytes + 2 * kTcEntries * 4 + kTcStages * kTcEntries;
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo_half, float hi_half) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo_half, hi_half);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// q's bf16 B fragment word at (head h, channels i, i + 1) and, `lo`, the residual of that
+// rounding (q = hi + lo to float32's precision: the product keeps q's precision).
+__device__ __forceinline__ uint32_t q_word(const float* q, bool ok, int64_t off, bool lo) {
+  // (Two scalar loads: q may start at any float, a contiguous view's offset.)
+  const float2 x = ok ? make_float2(q[off], q[off + 1]) : make_float2(0.f, 0.f);
+  const uint32_t hi = pack_bf16(x.x, x.y);
+  if (!lo) return hi;
+  const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&hi);
+  return pack_bf16(x.x - __low2float(h), x.y - __high2float(h));
+}
+
 // KS = d / 16 k-steps. One CTA: token blockIdx.x, tiles [blockIdx.y * per_cta, + per_cta).
 template <int KS>
-__global__ void __launch_bounds__(kTcThreads, 1) indexer_scores_tc_kernel(IndexerScoresParams p,
+__global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerScoresParams p,
                                                                        int per_cta) {
-  __shared__ __align__(16) uint16_t rows[2][kTcEntries][kTcPitch];
-  __shared__ float red[kTcWarps][kTcEntries];
-  __shared__ bool bad[2][kTcEntries];
+  extern __shared__ __align__(16) uint8_t smem[];
+  auto rows = reinterpret_cast<uint16_t(*)[kTcEntries][kTcPitch]>(smem);
+  auto red = reinterpret_cast<float(*)[kTcEntries]>(smem + kTcRowsBytes);  // [head half][entry]
+  auto bad = reinterpret_cast<bool(*)[kTcEntries]>(smem + kTcRowsBytes + 2 * kTcEntries * 4);
   constexpr int d = 16 * KS;
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  const int eh = warp >> 1, hh = warp & 1;  // this warp's entry half and head half
   float* out = p.out + t * p.num_entries;
   const int64_t visible = indexer_visible(p, t);
   const int64_t tile0 = static_cast<int64_t>(blockIdx.y) * per_cta;
@@ -123,7 +147,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) indexer_scores_tc_kernel(Indexe
     out[s] = neg_inf;
   if (tile0 >= live1) return;
 
-  // Stage loads: row r = tid / 2 of the tile, half of its 16-byte chunks each.
+  // Stage loads: row r = tid / 2 of the tile, half of its 16-byte chunks each; rows past what
+  // the token sees, or of an unmapped block, zero-filled (their scores are -inf / NaN).
   const uint16_t* keys = static_cast<const uint16_t*>(p.keys);
   auto load_tile = [&](int buf, int64_t tile) {
     const int r = tid >> 1;
@@ -135,6 +160,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) indexer_scores_tc_kernel(Indexe
     for (int ch = (tid & 1) * KS; ch < (tid & 1) * KS + KS; ++ch)  // d / 8 chunks a row
       cp_async16(smem_u32(&rows[buf][r][ch * 8]), src + ch * 8, off >= 0);
   };
+  // The ring's first stages first: their latency then overlaps q's loads below.
+#pragma unroll
+  for (int i = 0; i < kTcStages - 1; ++i) {
+    if (tile0 + i < live1) load_tile(i, tile0 + i);
+    cp_async_commit();
+  }
 
   // Whether q needs its low half: any element not exact in bf16 (the whole token's q).
   const float* q = p.q + t * p.heads * p.dim;
@@ -145,82 +176,106 @@ __global__ void __launch_bounds__(kTcThreads, 1) indexer_scores_tc_kernel(Indexe
   }
   const bool need_lo = __syncthreads_or(inexact);
 
-  const int groups = static_cast<int>((p.heads + 16 * kTcWarps - 1) / (16 * kTcWarps));
-  uint32_t a_hi[KS][4], a_lo[KS][4];
-  float w_g = 0.f, w_8 = 0.f;  // the weights of this thread's heads g and g + 8
-  // The A fragments (q of the warp's 16 heads of `group`) and the heads' weights.
-  auto load_a = [&](int group) {
-    const int64_t hg = static_cast<int64_t>(group) * 16 * kTcWarps + warp * 16 + g;
-    const bool ok_g = hg < p.heads, ok_8 = hg + 8 < p.heads;
-    w_g = ok_g ? p.weights[t * p.heads + hg] : 0.f;
-    w_8 = ok_8 ? p.weights[t * p.heads + hg + 8] : 0.f;
+  const int groups = static_cast<int>((p.heads + kTcHeads - 1) / kTcHeads);
+  // This warp's B fragments (q's bf16 high parts) of n-tile nt: head base + nt * 8 + g, channels
+  // ks * 16 + 2c, +1 (b0) and + 8 (b1); and the weights of its accumulators' heads,
+  // base + nt * 8 + 2c + e. The low parts, when needed, are re-read per use (from L1).
+  uint32_t bq[KS][4][2];
+  float wt[4][2];
+  auto head_base = [&](int group) { return static_cast<int64_t>(group) * kTcHeads + hh * 32; };
+  auto load_q = [&](int group) {
+    const int64_t hb = head_base(group);
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
+    for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {  // a0: (g, 2c), a1: (g + 8, 2c), a2 / a3: channels + 8
-        const int64_t h = hg + (j & 1) * 8;
-        const int i = ks * 16 + (j >> 1) * 8 + 2 * c;
-        const bool ok = j & 1 ? ok_8 : ok_g;
-        const float x0 = ok ? q[h * p.dim + i] : 0.f, x1 = ok ? q[h * p.dim + i + 1] : 0.f;
-        a_hi[ks][j] = pack_bf16(x0, x1);
-        const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&a_hi[ks][j]);
-        a_lo[ks][j] = pack_bf16(x0 - __low2float(hi), x1 - __high2float(hi));
+      for (int e = 0; e < 2; ++e) {
+        const int64_t h = hb + nt * 8 + 2 * c + e;
+        wt[nt][e] = h < p.heads ? p.weights[t * p.heads + h] : 0.f;
       }
+      const int64_t h = hb + nt * 8 + g;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          bq[ks][nt][j] = q_word(q, h < p.heads, h * d + ks * 16 + j * 8 + 2 * c, false);
     }
   };
-  if (groups == 1) load_a(0);
+  if (groups == 1) load_q(0);
 
-  load_tile(0, tile0);
-  cp_async_commit();
+  // ldmatrix row addresses: lane l gives row (l % 16) of the m-tile, chunk l / 16 of the k-step.
+  const uint32_t a_lane = smem_u32(&rows[0][eh * 32 + (lane & 15)][(lane >> 4) * 8]);
+  constexpr uint32_t kStageBytes = kTcEntries * kTcPitch * 2;
   for (int64_t tile = tile0; tile < live1; ++tile) {
-    const int buf = static_cast<int>((tile - tile0) & 1);
-    if (tile + 1 < live1) load_tile(buf ^ 1, tile + 1);
+    const int i = static_cast<int>(tile - tile0);
+    const int buf = i % kTcStages;
+    cp_async_wait<kTcStages - 2>();
+    __syncthreads();  // tile i landed for all; every warp is done with tile i - 1 (and red)
+    if (tile + kTcStages - 1 < live1) load_tile((i + kTcStages - 1) % kTcStages,
+                                                tile + kTcStages - 1);
     cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    // (Read now: the next stage's load rewrites these flags once the barriers below are passed.)
-    const bool row_bad = tid < kTcEntries && bad[buf][tid];
-    float total = 0.f;  // entry tid's sum over the head groups so far (tid < 64)
+    float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // [m-tile][row g / g + 8]: over the groups
     for (int group = 0; group < groups; ++group) {
-      if (groups > 1) load_a(group);
-      float acc[8][4];
+      if (groups > 1) load_q(group);
+      const int64_t hb = head_base(group);
+      float acc[2][4][4];
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] =
+                                           acc[mt][nt][3] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
+        uint32_t a[2][4];
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const uint16_t* row = &rows[buf][nt * 8 + g][ks * 16 + 2 * c];
-          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(row);
-          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(row + 8);
-          mma_bf16(acc[nt], a_hi[ks], b0, b1);
-          if (need_lo) mma_bf16(acc[nt], a_lo[ks], b0, b1);
+        for (int mt = 0; mt < 2; ++mt)
+          ldsm_x4(a_lane + buf * kStageBytes + mt * 16 * kTcPitch * 2 + ks * 32, a[mt][0],
+                  a[mt][1], a[mt][2], a[mt][3]);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], a[mt], bq[ks][nt][0], bq[ks][nt][1]);
+          if (need_lo) {
+            const int64_t h = hb + nt * 8 + g;
+            const int64_t off = h * d + ks * 16 + 2 * c;
+            const uint32_t l0 = q_word(q, h < p.heads, off, true);
+            const uint32_t l1 = q_word(q, h < p.heads, off + 8, true);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], a[mt], l0, l1);
+          }
         }
       }
-      // w_h * relu per head, summed: the thread's two heads, then the warp's 8 row groups.
+      // w_h * relu per head, summed in a fixed tree: the thread's 8 heads (n-tiles in order,
+      // then its column pair), the 4 lanes of a row, the groups in order; the two head halves
+      // last (below).
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+      for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = w_g * relu_keep_nan(acc[nt][e]) + w_8 * relu_keep_nan(acc[nt][2 + e]);
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          if (g == 0) red[warp][nt * 8 + 2 * c + e] = v;
+        for (int r = 0; r < 2; ++r) {
+          float v = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) v += wt[nt][e] * relu_keep_nan(acc[mt][nt][2 * r + e]);
+          v += __shfl_xor_sync(0xffffffffu, v, 1);
+          v += __shfl_xor_sync(0xffffffffu, v, 2);
+          part[mt][r] += v;
         }
       }
-      __syncthreads();
-      if (tid < kTcEntries) {
-        float sum = red[0][tid];
-#pragma unroll
-        for (int w = 1; w < kTcWarps; ++w) sum += red[w][tid];
-        total += sum;
-      }
-      __syncthreads();  // red is rewritten by the next group; the stage's rows by the next load
     }
+    // (Read now: a later refill rewrites these flags once the next barrier is passed.)
+    const bool row_bad = tid < kTcEntries && bad[buf][tid];
+    if (c == 0) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) red[hh][eh * 32 + mt * 16 + r * 8 + g] = part[mt][r];
+    }
+    __syncthreads();
     const int64_t s = tile * kTcEntries + tid;
-    if (tid < kTcEntries && s < p.num_entries)
+    if (tid < kTcEntries && s < p.num_entries) {
+      const float total = red[0][tid] + red[1][tid];
       out[s] = s >= visible ? neg_inf : row_bad ? __int_as_float(0x7fc00000) : total * p.scale;
+    }
   }
   cp_async_wait<0>();
 }
@@ -241,7 +296,11 @@ void launch_tc(const IndexerScoresParams& p, cudaStream_t stream) {
   ZI_CHECK(p.num_tokens <= 0x7fffffff && chunks <= 65535,
            "indexer_scores: too many tokens or entries for one launch");
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(chunks));
-  indexer_scores_tc_kernel<KS><<<grid, kTcThreads, 0, stream>>>(p, static_cast<int>(per_cta));
+  // (Every launch, as sparse_mla's: the attribute is per device, and setting it is cheap.)
+  ZI_CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_tc_kernel<KS>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kTcSmemBytes));
+  indexer_scores_tc_kernel<KS><<<grid, kTcThreads, kTcSmemBytes, stream>>>(
+      p, static_cast<int>(per_cta));
 }
 
 }  // namespace

@@ -215,6 +215,30 @@ def test_cuda_tensor_cores_match_reference(gen, q_bf16_exact, shape):
 
 
 @pytest.mark.gpu
+def test_cuda_tensor_cores_long_rows_through_the_ring(gen):
+    """Sequences of thousands of entries: each CTA streams several tiles through its ring (the
+    launcher gives a CTA more tiles the more there are), the last partial; float32 accuracy
+    against float64, and each token alone gives the same bits (one CTA, other tiles a CTA)."""
+    args, scale = make_case(gen, tokens=16, heads=64, dim=128, block=4096, seqs=2,
+                            key_dtype=torch.bfloat16, min_blocks=4)
+    args["q"] = args["q"].bfloat16().float()
+    args["seq_of_token"][1] = args["seq_of_token"][0]
+    args["visible"][1] = args["visible"][0] - 77  # a partial last tile
+    got = indexer_scores(**to_cuda(args), scale=scale, out=poisoned(args, "cuda")).cpu()
+    ref = indexer_scores_ref(**args, scale=scale)
+    past = torch.arange(args["num_entries"])[None, :] >= args["visible"][:, None]
+    assert torch.equal(got.isinf(), past) and (got[past] < 0).all()
+    mag = (args["weights"].abs().sum(1, keepdim=True) * 128**0.5 * 4 * scale).expand_as(got)
+    err = (got.double() - ref).abs()[~past]
+    assert (err <= 1e-5 * mag[~past] + 1e-6).all(), float(err.max())
+    for t in (0, 1, 15):
+        one = {**args, "q": args["q"][t:t + 1], "weights": args["weights"][t:t + 1],
+               "seq_of_token": args["seq_of_token"][t:t + 1],
+               "visible": args["visible"][t:t + 1]}
+        assert torch.equal(indexer_scores(**to_cuda(one), scale=scale).cpu(), got[t:t + 1])
+
+
+@pytest.mark.gpu
 def test_cuda_tensor_core_rows_do_not_depend_on_the_batch(gen):
     """On tensor cores a token's scores are the same bits alone, in a larger batch (another
     grid: tiles a CTA), at another table row and with more columns."""
