@@ -103,20 +103,27 @@ constexpr int kTcMaxDim = 128;
 constexpr int kTcPitch = kTcMaxDim + 8;   // bf16 a smem row: 272 bytes, rows 4 banks apart,
                                           // so ldmatrix's 8 rows of a chunk hit 32 banks
 constexpr int kTcRowsBytes = kTcStages * kTcEntries * kTcPitch * 2;
-constexpr int kTcSmemBytes = kTcRowsBytes + 2 * kTcEntries * 4 + kTcStages * kTcEntries;
+constexpr int kTcLoBytes = kTcHeads * kTcPitch * 2;  // q's low halves, [head][channel], if needed
+constexpr int kTcSmemBytes = kTcRowsBytes + kTcLoBytes + 2 * kTcEntries * 4 +
+                             kTcStages * kTcEntries;
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo_half, float hi_half) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo_half, hi_half);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// q's bf16 B fragment word at (head h, channels i, i + 1) and, `lo`, the residual of that
-// rounding (q = hi + lo to float32's precision: the product keeps q's precision).
-__device__ __forceinline__ uint32_t q_word(const float* q, bool ok, int64_t off, bool lo) {
-  // (Two scalar loads: q may start at any float, a contiguous view's offset.)
-  const float2 x = ok ? make_float2(q[off], q[off + 1]) : make_float2(0.f, 0.f);
-  const uint32_t hi = pack_bf16(x.x, x.y);
-  if (!lo) return hi;
+// q's two floats at off (even), off + 1: one 8-byte load where q is 8-byte aligned (a contiguous
+// view may start at any float).
+__device__ __forceinline__ float2 q_pair(const float* q, bool ok, int64_t off, bool vec) {
+  if (!ok) return make_float2(0.f, 0.f);
+  return vec ? *reinterpret_cast<const float2*>(q + off) : make_float2(q[off], q[off + 1]);
+}
+
+// The bf16 B-fragment word of a pair (hi), and the residual of that rounding (lo): q = hi + lo
+// to float32's precision, so the products keep q's precision.
+__device__ __forceinline__ uint32_t hi_word(float2 x) { return pack_bf16(x.x, x.y); }
+__device__ __forceinline__ uint32_t lo_word(float2 x) {
+  const uint32_t hi = hi_word(x);
   const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&hi);
   return pack_bf16(x.x - __low2float(h), x.y - __high2float(h));
 }
@@ -127,8 +134,10 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
                                                                        int per_cta) {
   extern __shared__ __align__(16) uint8_t smem[];
   auto rows = reinterpret_cast<uint16_t(*)[kTcEntries][kTcPitch]>(smem);
-  auto red = reinterpret_cast<float(*)[kTcEntries]>(smem + kTcRowsBytes);  // [head half][entry]
-  auto bad = reinterpret_cast<bool(*)[kTcEntries]>(smem + kTcRowsBytes + 2 * kTcEntries * 4);
+  auto q_lo = reinterpret_cast<uint16_t(*)[kTcPitch]>(smem + kTcRowsBytes);
+  auto red = reinterpret_cast<float(*)[kTcEntries]>(smem + kTcRowsBytes + kTcLoBytes);
+  auto bad = reinterpret_cast<bool(*)[kTcEntries]>(smem + kTcRowsBytes + kTcLoBytes +
+                                                   2 * kTcEntries * 4);  // red: [half][entry]
   constexpr int d = 16 * KS;
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -169,22 +178,26 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
 
   // Whether q needs its low half: any element not exact in bf16 (the whole token's q).
   const float* q = p.q + t * p.heads * p.dim;
+  const bool q_vec = (reinterpret_cast<uintptr_t>(q) & 7) == 0;
   bool inexact = false;
-  for (int64_t e = tid; e < p.heads * d; e += kTcThreads) {
-    const float v = q[e];
-    inexact |= __bfloat162float(__float2bfloat16_rn(v)) != v;
+  auto exact = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)) == v; };
+  for (int64_t e = 2 * tid; e < p.heads * d; e += 2 * kTcThreads) {  // (heads * d is even)
+    const float2 v = q_pair(q, true, e, q_vec);
+    inexact |= !exact(v.x) || !exact(v.y);
   }
   const bool need_lo = __syncthreads_or(inexact);
 
   const int groups = static_cast<int>((p.heads + kTcHeads - 1) / kTcHeads);
   // This warp's B fragments (q's bf16 high parts) of n-tile nt: head base + nt * 8 + g, channels
   // ks * 16 + 2c, +1 (b0) and + 8 (b1); and the weights of its accumulators' heads,
-  // base + nt * 8 + 2c + e. The low parts, when needed, are re-read per use (from L1).
+  // base + nt * 8 + 2c + e. The low parts, when needed, go to shared memory (the entry-half-0
+  // warps write their head half's; registers for them would cost every call occupancy).
   uint32_t bq[KS][4][2];
   float wt[4][2];
   auto head_base = [&](int group) { return static_cast<int64_t>(group) * kTcHeads + hh * 32; };
   auto load_q = [&](int group) {
     const int64_t hb = head_base(group);
+    if (groups > 1) __syncthreads();  // every warp is done with the last group's low halves
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -194,11 +207,18 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
       }
       const int64_t h = hb + nt * 8 + g;
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
+      for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-          bq[ks][nt][j] = q_word(q, h < p.heads, h * d + ks * 16 + j * 8 + 2 * c, false);
+        for (int j = 0; j < 2; ++j) {
+          const int i = ks * 16 + j * 8 + 2 * c;
+          const float2 x = q_pair(q, h < p.heads, h * d + i, q_vec);
+          bq[ks][nt][j] = hi_word(x);
+          if (need_lo && eh == 0)
+            *reinterpret_cast<uint32_t*>(&q_lo[hh * 32 + nt * 8 + g][i]) = lo_word(x);
+        }
+      }
     }
+    if (groups > 1) __syncthreads();  // (one group: the tile loop's barrier comes first)
   };
   if (groups == 1) load_q(0);
 
@@ -216,7 +236,6 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
     float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // [m-tile][row g / g + 8]: over the groups
     for (int group = 0; group < groups; ++group) {
       if (groups > 1) load_q(group);
-      const int64_t hb = head_base(group);
       float acc[2][4][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -235,10 +254,9 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], a[mt], bq[ks][nt][0], bq[ks][nt][1]);
           if (need_lo) {
-            const int64_t h = hb + nt * 8 + g;
-            const int64_t off = h * d + ks * 16 + 2 * c;
-            const uint32_t l0 = q_word(q, h < p.heads, off, true);
-            const uint32_t l1 = q_word(q, h < p.heads, off + 8, true);
+            const uint16_t* lo = &q_lo[hh * 32 + nt * 8 + g][ks * 16 + 2 * c];
+            const uint32_t l0 = *reinterpret_cast<const uint32_t*>(lo);
+            const uint32_t l1 = *reinterpret_cast<const uint32_t*>(lo + 8);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], a[mt], l0, l1);
           }

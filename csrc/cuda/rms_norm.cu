@@ -1,6 +1,13 @@
-// CUDA RMS norms (contract in zeroinfer/rms_norm.h): one CTA of 256 threads a row; thread j makes
-// lane j's sum of squares (coalesced strided reads), the lanes fold pairwise in shared memory in
-// the contract's order, then the threads write the row (the row's second read hits L1 / L2).
+// CUDA RMS norms (contract in zeroinfer/rms_norm.h), two kernels, the contract's bits both:
+// * rows of up to kWarpRowMax elements (V4's layer norms, 4096, and q's per-head norm, 512: most
+//   calls): a warp a row, 4 rows a CTA. Thread l holds the contract's lanes 8l .. 8l + 7, so its
+//   elements of a 256-wide chunk are 8 consecutive ones - one 16-byte load (bf16) or two
+//   (float32) where rows are 16-byte aligned. The fold's first five steps (h = 128 .. 8) pair
+//   lanes of different threads (shuffles), the last three lanes of thread 0.
+// * longer rows (the mHC's norm over the flattened streams, 4 x 4096 float32): one CTA of 256
+//   threads a row; thread j makes lane j's sum (coalesced strided reads), the lanes fold in
+//   shared memory.
+// Both then write the row, whose second read hits L1 / L2.
 #include <cuda_runtime.h>
 
 #include "check.cuh"
@@ -8,6 +15,115 @@
 
 namespace zi {
 namespace {
+
+constexpr int kWarpRowMax = 4096;
+constexpr int kRowsPerCta = 4;
+constexpr int kPerThread = kRmsNormLanes / 32;  // lanes a thread: 8
+
+// The 8 elements at x + i (16-byte aligned when vec) as floats; scalar loads otherwise.
+template <class T>
+__device__ __forceinline__ void load8(const T* x, int64_t i, bool vec, float (&v)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    if (vec) {
+      const uint4 w = *reinterpret_cast<const uint4*>(x + i);
+      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[2 * k] = __uint_as_float(u[k] << 16);
+        v[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
+      }
+      return;
+    }
+  } else {
+    if (vec) {
+      const float4 a = *reinterpret_cast<const float4*>(x + i);
+      const float4 b = *reinterpret_cast<const float4*>(x + i + 4);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
+      v[7] = b.w;
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = to_float(x[i + k]);
+}
+
+// 8 floats to y + i (16-byte aligned), rounded to T.
+template <class T>
+__device__ __forceinline__ void store8(T* y, int64_t i, const float (&o)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    uint32_t u[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      u[k] = uint32_t{from_float<T>(o[2 * k])} | uint32_t{from_float<T>(o[2 * k + 1])} << 16;
+    *reinterpret_cast<uint4*>(y + i) = make_uint4(u[0], u[1], u[2], u[3]);
+  } else {
+    *reinterpret_cast<float4*>(y + i) = make_float4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<float4*>(y + i + 4) = make_float4(o[4], o[5], o[6], o[7]);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(32 * kRowsPerCta) rms_norm_warp_kernel(RmsNormParams p,
+                                                                         bool vec) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 5);
+  if (row >= p.rows) return;  // (whole warps: the shuffles below stay full)
+  const int l = threadIdx.x & 31;
+  const T* x = static_cast<const T*>(p.x) + row * p.dim;
+  T* y = static_cast<T*>(p.y) + row * p.dim;
+  // Lane 8l + k sums elements 8l + k + 256 m, m ascending. A chunk's 8 elements are whole or
+  // absent where D % 8 == 0 (vec); otherwise element by element.
+  float s[kPerThread];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) s[k] = 0.f;
+  for (int64_t c0 = 8 * l; c0 < p.dim; c0 += kRmsNormLanes) {
+    if (vec || c0 + 8 <= p.dim) {
+      float v[8];
+      load8(x, c0, vec, v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) s[k] = add_rn(s[k], mul_rn(v[k], v[k]));
+    } else {
+      for (int k = 0; c0 + k < p.dim; ++k) {
+        const float v = to_float(x[c0 + k]);
+        s[k] = add_rn(s[k], mul_rn(v, v));
+      }
+    }
+  }
+  // Lane j += lane j + h: h = 128 .. 8 across threads (thread l < h / 8 takes thread l + h / 8's
+  // lanes), then h = 4, 2, 1 inside thread 0.
+#pragma unroll
+  for (int ht = 16; ht >= 1; ht /= 2) {
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const float other = __shfl_down_sync(0xffffffffu, s[k], ht);
+      if (l < ht) s[k] = add_rn(s[k], other);
+    }
+  }
+#pragma unroll
+  for (int h = 4; h >= 1; h /= 2)
+#pragma unroll
+    for (int k = 0; k < h; ++k) s[k] = add_rn(s[k], s[k + h]);
+  const float r = rms_factor(__shfl_sync(0xffffffffu, s[0], 0), p.dim, p.eps);
+  for (int64_t c0 = 8 * l; c0 < p.dim; c0 += kRmsNormLanes) {
+    if (!vec) {
+      for (int k = 0; k < 8 && c0 + k < p.dim; ++k) rms_apply<T>(p, x, y, r, c0 + k);
+      continue;
+    }
+    // rms_apply's arithmetic, 8 elements a load / store
+    float v[8], o[8];
+    load8(x, c0, true, v);
+    if (p.weight) {
+      float w[8];
+      load8(p.weight, c0, true, w);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = mul_rn(w[k], mul_rn(v[k], r));
+    } else {
+      const float rt = round_to<T>(r);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = mul_rn(v[k], rt);
+    }
+    store8(y, c0, o);
+  }
+}
 
 template <class T>
 __global__ void __launch_bounds__(kRmsNormLanes) rms_norm_kernel(RmsNormParams p) {
@@ -32,9 +148,18 @@ void rms_norm_cuda(const RmsNormParams& p, void* stream) {
   ZI_CHECK(p.dim >= 1, "rms_norm: need D >= 1");
   if (p.rows == 0) return;
   ZI_CHECK(p.rows <= 0x7fffffff, "rms_norm: too many rows for one launch");
+  const auto s = static_cast<cudaStream_t>(stream);
   rms_dispatch(p.dtype, [&](auto type) {
-    rms_norm_kernel<decltype(type)><<<static_cast<unsigned>(p.rows), kRmsNormLanes, 0,
-                                      static_cast<cudaStream_t>(stream)>>>(p);
+    using T = decltype(type);
+    if (p.dim <= kWarpRowMax) {
+      auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+      const bool vec = p.dim % 8 == 0 && aligned(p.x) && aligned(p.y) &&
+                       (p.weight == nullptr || aligned(p.weight));
+      const int64_t blocks = (p.rows + kRowsPerCta - 1) / kRowsPerCta;
+      rms_norm_warp_kernel<T><<<static_cast<unsigned>(blocks), 32 * kRowsPerCta, 0, s>>>(p, vec);
+    } else {
+      rms_norm_kernel<T><<<static_cast<unsigned>(p.rows), kRmsNormLanes, 0, s>>>(p);
+    }
   });
   ZI_CUDA_CHECK_LAUNCH("rms_norm");
 }

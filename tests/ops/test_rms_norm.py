@@ -99,3 +99,21 @@ def test_cuda_gives_the_cpu_bits(gen, dtype, shape, weighted):
                    out=torch.full(shape, float("nan"), dtype=dtype, device="cuda"))
     assert got.is_cuda
     assert torch.equal(got.cpu(), rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [512, 4096])
+def test_cuda_unaligned_rows_give_the_cpu_bits(gen, dtype, dim):
+    """Rows off 16-byte alignment (a contiguous view one element in) take the warp kernel's
+    element-by-element loads: the same bits as the CPU twin, and as the aligned rows."""
+    x, w = inputs(gen, (6, dim), dtype)
+    buf = torch.empty(6 * dim + 1, dtype=dtype, device="cuda")
+    xu = buf[1:].view(6, dim)
+    xu.copy_(x)
+    out = torch.full((6 * dim + 1,), float("nan"), dtype=dtype, device="cuda")[1:].view(6, dim)
+    for weight in (w, None):
+        wc = None if weight is None else weight.cuda()
+        got = rms_norm(xu, wc, 1e-6, out=out)
+        assert torch.equal(got.cpu(), rms_norm(x, weight, 1e-6))
+        assert torch.equal(got, rms_norm(x.cuda(), wc, 1e-6))
