@@ -3,10 +3,10 @@ runs of builds (bench/ab_builds.sh ... NAME=ALT.cu@csrc/cuda/indexer.cu). Prints
 {case: [kernel_us, checksum]}: the checksum (the finite scores' float32 bits summed) tells
 whether a variant changed any result.
 
-  python3 bench/ab_indexer_cases.py decode:32:8192,prefill:4096:1024[,...] [float32]
+  python3 bench/ab_indexer_cases.py decode:32:8192,prefill:4096:1024[,...]
 a case is decode : batch : entries (one query a sequence, bench_indexer.py's decode rows) or
-prefill : tokens : entries (one sequence's chunk, causal, ending at 4 x entries); q is
-bf16-exact, as the model's, unless `float32` is given.
+prefill : tokens : entries (one sequence's chunk, causal, ending at 4 x entries) [: f32]; q is
+bf16-exact, as the model's, unless the case ends in `f32` (q float32: two MMAs a tile).
 """
 
 import json
@@ -23,12 +23,11 @@ from zeroinfer.testing import bench  # noqa: E402
 
 def main() -> None:
     cases = sys.argv[1].split(",")
-    q_exact = "float32" not in sys.argv[2:]
     gen = torch.Generator().manual_seed(0)
     res = {}
     for c in cases:
-        kind, a, n = c.split(":")
-        a, n = int(a), int(n)
+        kind, a, n, *rest = c.split(":")
+        a, n, q_exact = int(a), int(n), rest != ["f32"]
         if kind == "decode":
             args = case(gen, "cuda", torch.bfloat16, seqs=a, tokens=a, entries=n, q_exact=q_exact)
         else:
