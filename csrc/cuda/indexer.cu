@@ -179,22 +179,20 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
   // Whether q needs its low half: any element not exact in bf16 (the whole token's q).
   const float* q = p.q + t * p.heads * p.dim;
   const bool q_vec = (reinterpret_cast<uintptr_t>(q) & 7) == 0;
-  bool inexact = false;
-  auto exact = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)) == v; };
-  for (int64_t e = 2 * tid; e < p.heads * d; e += 2 * kTcThreads) {  // (heads * d is even)
-    const float2 v = q_pair(q, true, e, q_vec);
-    inexact |= !exact(v.x) || !exact(v.y);
-  }
-  const bool need_lo = __syncthreads_or(inexact);
-
+  auto exact = [](float2 v) {
+    return __bfloat162float(__float2bfloat16_rn(v.x)) == v.x &&
+           __bfloat162float(__float2bfloat16_rn(v.y)) == v.y;
+  };
   const int groups = static_cast<int>((p.heads + kTcHeads - 1) / kTcHeads);
   // This warp's B fragments (q's bf16 high parts) of n-tile nt: head base + nt * 8 + g, channels
   // ks * 16 + 2c, +1 (b0) and + 8 (b1); and the weights of its accumulators' heads,
-  // base + nt * 8 + 2c + e. The low parts, when needed, go to shared memory (the entry-half-0
-  // warps write their head half's; registers for them would cost every call occupancy).
+  // base + nt * 8 + 2c + e. The low parts go to shared memory (the entry-half-0 warps write
+  // their head half's; registers for them would cost every call occupancy), used only if some
+  // element of q is not bf16-exact (`inexact`: the values this thread loaded).
   uint32_t bq[KS][4][2];
   float wt[4][2];
   auto head_base = [&](int group) { return static_cast<int64_t>(group) * kTcHeads + hh * 32; };
+  bool inexact = false;
   auto load_q = [&](int group) {
     const int64_t hb = head_base(group);
     if (groups > 1) __syncthreads();  // every warp is done with the last group's low halves
@@ -213,14 +211,22 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
           const int i = ks * 16 + j * 8 + 2 * c;
           const float2 x = q_pair(q, h < p.heads, h * d + i, q_vec);
           bq[ks][nt][j] = hi_word(x);
-          if (need_lo && eh == 0)
-            *reinterpret_cast<uint32_t*>(&q_lo[hh * 32 + nt * 8 + g][i]) = lo_word(x);
+          inexact |= !exact(x);
+          if (eh == 0) *reinterpret_cast<uint32_t*>(&q_lo[hh * 32 + nt * 8 + g][i]) = lo_word(x);
         }
       }
     }
     if (groups > 1) __syncthreads();  // (one group: the tile loop's barrier comes first)
   };
-  if (groups == 1) load_q(0);
+  // Whether q needs its low halves: any element not exact in bf16 (the whole token's q: one
+  // group's loads cover it; with more groups a pass of its own).
+  if (groups == 1) {
+    load_q(0);
+  } else {
+    for (int64_t e = 2 * tid; e < p.heads * d; e += 2 * kTcThreads)  // (heads * d is even)
+      inexact |= !exact(q_pair(q, true, e, q_vec));
+  }
+  const bool need_lo = __syncthreads_or(inexact);
 
   // ldmatrix row addresses: lane l gives row (l % 16) of the m-tile, chunk l / 16 of the k-step.
   const uint32_t a_lane = smem_u32(&rows[0][eh * 32 + (lane & 15)][(lane >> 4) * 8]);

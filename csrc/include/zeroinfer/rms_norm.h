@@ -9,7 +9,7 @@
 // every product and sum rounded on its own (numeric.h's *_rn; the CPU file built with
 // -ffp-contract=off), the sqrt and the divisions correctly rounded. So a row's result depends on
 // the row alone (batch invariance), and the CPU twin and the CUDA kernels (a warp a row up to
-// 4096 elements, a CTA of 256 threads a row above: cuda/rms_norm.cu) agree bitwise; against
+// 1024 elements, a CTA of 256 threads a row above: cuda/rms_norm.cu) agree bitwise; against
 // torch's forms they differ in the last bits of the sum.
 // Reference: zeroinfer.reference.rms_norm.
 #pragma once
