@@ -5,8 +5,8 @@ not depend on the device.
 
   python3 bench/probe_decode_ops.py [--model dummy] [--batches 1,8] [--top 15]
 
-Per batch size: a prefill and one decode round first, then one decode round counted under a
-torch function mode, which sees every torch call made from Python (tensor methods and factory
+Per batch size: a prefill and one decode round first, then csa_rate decode rounds (a CSA
+window's worth: one of them closes every sequence's window) counted under a torch function mode, which sees every torch call made from Python (tensor methods and factory
 functions included, attribute reads such as .shape excluded), attributed to the innermost
 zeroinfer function on the stack. The emulated CPU device runs the round inline so its calls are
 seen. Measured (session 35), the 4-layer dummy model at batch 1 / 8 / 32: 2910 / 5290 / 13358
@@ -54,24 +54,29 @@ class CallCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_decode_step(model, batch: int, prompt_len: int = 32) -> collections.Counter[str]:
-    cfg = EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + 8,
+def count_decode_step(model, batch: int, prompt_len: int = 32,
+                      rounds: int = 1) -> list[collections.Counter[str]]:
+    """The calls of `rounds` consecutive decode rounds, one counter a round."""
+    cfg = EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + rounds + 8,
                        max_num_batched_tokens=batch * prompt_len, async_scheduling=False)
     engine = LLMEngine(model, cfg, seed=0)
     if engine.runner.emulated is not None:  # run the CPU "device" inline, in the mode's sight
         engine.runner.emulated.submit = lambda fn: fn()
     gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=rounds + 4, ignore_eos=True, temperature=0.0)
     for _ in range(batch):
         engine.add_request(torch.randint(2, model.config.vocab_size, (prompt_len,),
                                          generator=gen).tolist(), params)
     engine.step()  # prefill
     engine.step()  # a first decode round (one-time allocations)
-    counter = CallCounter()
-    with counter:
-        engine.step()
+    counters = []
+    for _ in range(rounds):
+        counter = CallCounter()
+        with counter:
+            engine.step()
+        counters.append(counter.by_site)
     engine.close()
-    return counter.by_site
+    return counters
 
 
 def main() -> None:
@@ -81,11 +86,17 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     args = ap.parse_args()
     model = load(args.model, dtype=torch.float32, device="cpu")
+    # One round per position of a CSA window: the round where every sequence's window closes
+    # (the prompts share a length, so they close together) pools, the others only buffer.
+    rounds = model.config.csa_rate
     for batch in (int(b) for b in args.batches.split(",")):
-        sites = count_decode_step(model, batch)
-        print(f"batch {batch}: {sum(sites.values())} torch calls in one decode step")
+        per_round = count_decode_step(model, batch, rounds=rounds)
+        totals = [sum(c.values()) for c in per_round]
+        sites = sum(per_round, collections.Counter())
+        print(f"batch {batch}: {sum(totals) / rounds:.0f} torch calls a decode step, mean of "
+              f"{rounds} (a CSA window's rounds: {' / '.join(map(str, totals))})")
         for site, n in sites.most_common(args.top):
-            print(f"  {n:6d}  {site}")
+            print(f"  {n / rounds:8.1f}  {site}")
 
 
 if __name__ == "__main__":

@@ -53,15 +53,18 @@ class Compressor(nn.Module):
         self.kv_norm = NormWeight(width)
 
     def compress_batch(self, x: torch.Tensor, batch: ForwardBatch, state: CompressorState,
-                       rope: RopeTables) -> list[tuple[int, torch.Tensor, int]]:
+                       rope: RopeTables) -> tuple[list[int], list[int], torch.Tensor | None]:
         """Every sequence's new tokens x [T, D] (batch order): the projections in one call each,
         the tokens of windows that stay open buffered by one indexed write for the whole batch
-        (a decode step's common case: one token, rate 4 or 128), and the sequences whose windows
-        close pooled one by one. Returns (sequence, entries [n, width], index of the first
-        entry) for the sequences with new entries, and updates the state."""
+        (a decode step's common case: one token, rate 4 or 128), the sequences whose new tokens
+        close exactly one window (the other decode case) pooled together, and those closing
+        several (prefill) one by one. Returns the new entries [N, width] with each one's
+        sequence and entry index (lists of N), entries None if there are none, and updates the
+        state."""
         kv_all, gate_all = self.kv_proj(x), self.gate_proj(x)
         m, cu = self.rate, batch.cu_seqlens
-        tokens, slots, offsets, out = [], [], [], []
+        tokens, slots, offsets, one = [], [], [], []
+        seqs, index, pieces = [], [], []
         for i in range(batch.num_seqs):
             lo, hi, ctx, slot = cu[i], cu[i + 1], batch.context_lens[i], batch.state_slots[i]
             held = ctx % m
@@ -69,15 +72,60 @@ class Compressor(nn.Module):
                 tokens += range(lo, hi)
                 slots += [slot] * (hi - lo)
                 offsets += range(held, held + hi - lo)
+            elif held + hi - lo == m:
+                one.append((i, lo, held, ctx - held, slot))
             else:
                 entries, first = self._pool(kv_all[lo:hi], gate_all[lo:hi], ctx, state, slot,
                                             rope)
-                out.append((i, entries, first))
+                seqs += [i] * entries.shape[0]
+                index += range(first, first + entries.shape[0])
+                pieces.append(entries)
+        if one:
+            pieces.append(self._pool_one_each(kv_all, gate_all, one, state, rope))
+            seqs += [i for i, *_ in one]
+            index += [start // m for _, _, _, start, _ in one]
         if tokens:
             tok, sl, off = (host_tensor(v, x.device) for v in (tokens, slots, offsets))
             state.buf_kv[sl, off] = kv_all[tok].float()
             state.buf_gate[sl, off] = gate_all[tok].float()
-        return out
+        entries = None if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return seqs, index, entries
+
+    def _pool_one_each(self, kv_all: torch.Tensor, gate_all: torch.Tensor, group: list[tuple],
+                       state: CompressorState, rope: RopeTables) -> torch.Tensor:
+        """_pool for sequences whose new tokens complete exactly one window each, all at once
+        (entries [k, width] in group order): the same operations on a leading dim of k instead
+        of 1, so the same bits (tests/model/test_batch_invariance.py). group: (sequence, first
+        new token's row in kv_all / gate_all, tokens held, the window's first position, state
+        slot) per sequence."""
+        m, w, dev = self.rate, self.width, kv_all.device
+        k = len(group)
+        # Row j of sequence g's window: its held token j (j < held), else new token lo + j - held.
+        held_row = [j < held for _, _, held, _, _ in group for j in range(m)]
+        new_row = [max(lo + j - held, 0) for _, lo, held, _, _ in group for j in range(m)]
+        from_buf = host_tensor(held_row, dev, torch.bool).view(k, m, 1)
+        tok = host_tensor(new_row, dev).view(k, m)
+        sl = host_tensor([slot for *_, slot in group], dev)
+        starts = host_tensor([start for _, _, _, start, _ in group], dev)
+        ck = torch.where(from_buf, state.buf_kv[sl].to(kv_all.dtype), kv_all[tok])
+        cg = torch.where(from_buf, state.buf_gate[sl].to(gate_all.dtype), gate_all[tok])
+        cg = cg + self.position_bias
+        if self.overlap:
+            pool_kv = ck.new_zeros(k, 2 * m, w)
+            pool_gate = cg.new_full((k, 2 * m, w), float("-inf"))
+            pool_kv[:, m:], pool_gate[:, m:] = ck[..., w:], cg[..., w:]
+            # A complete window precedes (start >= m): its saved Ca half fills the first m rows.
+            prev = (starts >= m).view(k, 1, 1)
+            pool_kv[:, :m] = torch.where(prev, state.overlap_kv[sl].to(ck.dtype), pool_kv[:, :m])
+            pool_gate[:, :m] = torch.where(prev, state.overlap_gate[sl].to(cg.dtype),
+                                           pool_gate[:, :m])
+            state.overlap_kv[sl] = ck[..., :w].float()
+            state.overlap_gate[sl] = cg[..., :w].float()
+            ck, cg = pool_kv, pool_gate
+        pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
+        entries = rms_norm(pooled, self.kv_norm.weight, self.eps)
+        cos, sin = rope.cos_sin("compress", starts, entries.dtype)
+        return apply_rope(entries, cos, sin)
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, context_len: int,
               state: CompressorState, slot: int, rope: RopeTables) -> tuple[torch.Tensor, int]:
@@ -262,10 +310,10 @@ class Attention(nn.Module):
         Bc = cache.comp.shape[1]
 
         def store(pool: torch.Tensor, compressor: Compressor, state: CompressorState) -> None:
-            for i, entries, first in compressor.compress_batch(x, batch, state, rope):
-                idx = first + torch.arange(entries.shape[0], device=x.device)
-                flat = pool.view(-1, pool.shape[-1])
-                flat[slots_of(tables, torch.full_like(idx, i), idx, Bc)] = entries.to(pool.dtype)
+            seqs, index, entries = compressor.compress_batch(x, batch, state, rope)
+            if entries is not None:  # one indexed write for every new entry of the batch
+                at = slots_of(tables, host_tensor(seqs, x.device), host_tensor(index, x.device), Bc)
+                pool.view(-1, pool.shape[-1])[at] = entries.to(pool.dtype)
 
         store(cache.comp, comp, cache.state["compressor"])
         # Entries of each sequence after this step; a query sees those of windows closed at or
