@@ -14,7 +14,10 @@ calls a step at a83ed14 (1136 of them the hyper-connections' Sinkhorn loops; mos
 batch 32 the compressors' and indexer's per-sequence loops), 1768 / 2160 / 3444 with mhc_mixes
 and the batched compressors and indexer projections, 1218 / 1610 / 2894 with mhc_collapse / mhc_mix
 and rope_rotate (session 36), 637 / 637 / 526 with indexer_scores, rms_norm and the per-step
-derived tensors (session 37).
+derived tensors (session 37) - all of a round where no window closes. Over a CSA window's
+rounds (session 38): 700 / 1204 / 2821 a round (the closing one 889 / 2905 / 9706: each closing
+sequence pooled alone), 694 / 694 / 583 (865 / 865 / 754) with the closing sequences pooled
+together.
 """
 
 from __future__ import annotations
