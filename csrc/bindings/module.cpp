@@ -66,6 +66,7 @@ PYBIND11_MODULE(_C, m) {
   zi::bindings::register_rope(m);
   zi::bindings::register_indexer(m);
   zi::bindings::register_rms_norm(m);
+  zi::bindings::register_moe_route(m);
 
   def(m, "_raise_for_test", [](const std::string& kind, const std::string& msg) {
     py::gil_scoped_release nogil;  // like the kernels: the throw unwinds a released-GIL scope

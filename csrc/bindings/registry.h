@@ -21,6 +21,7 @@ void register_mhc(pybind11::module_& m);
 void register_rope(pybind11::module_& m);
 void register_indexer(pybind11::module_& m);
 void register_rms_norm(pybind11::module_& m);
+void register_moe_route(pybind11::module_& m);
 
 // Pointers cross the boundary as Python ints (tensor.data_ptr()); 0 means "absent".
 template <typename T>

@@ -11,7 +11,7 @@ from torch import nn
 
 from zeroinfer import ops
 from zeroinfer.model.config import HASH_MOE, ModelConfig
-from zeroinfer.model.linear import Linear, linear, pad_rows
+from zeroinfer.model.linear import Linear, linear
 
 
 class Router(nn.Module):
@@ -26,16 +26,14 @@ class Router(nn.Module):
                                  torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
     def forward(self, y: torch.Tensor, input_ids: torch.Tensor):
-        """Returns (expert ids [T, k] int32, weights [T, k] float32)."""
-        yp, T = pad_rows(y)  # full vectors for softplus: see HyperConnection.weights
-        scores = F.softplus(linear(yp, self.weight)).sqrt()[:T]  # "sqrtsoftplus"
+        """Returns (expert ids [T, k] int32, weights [T, k] float32): "sqrtsoftplus" scores of
+        the logits, the top k by score + bias (the bias only chooses) or the token's row of the
+        hash table, the chosen scores renormalised times rho - one ops.moe_route launch."""
+        logits = linear(y, self.weight)
         if self.hashed:
-            ids = self.tid2eid[input_ids]
-        else:  # the bias only chooses; the weights come from the unbiased scores
-            ids = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1, sorted=False).indices
-        w = scores.gather(1, ids)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.rho
-        return ids.to(torch.int32), w.float()
+            return ops.moe_route(logits, self.k, scale=self.rho, hash_table=self.tid2eid,
+                                 input_ids=input_ids)
+        return ops.moe_route(logits, self.k, scale=self.rho, bias=self.e_score_correction_bias)
 
 
 class Experts(nn.Module):

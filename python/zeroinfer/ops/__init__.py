@@ -12,6 +12,7 @@ from zeroinfer.ops.mhc import MHC_MAX_STREAMS, MhcMixes, mhc_collapse, mhc_mix, 
 from zeroinfer.ops.moe_gemm import (MXFP4_ROUTED_MAX_ROWS, Mxfp4PackedWeights,
                                      mxfp4_act_scale_mn_major, mxfp4_grouped_gemm, mxfp4_prepack,
                                      mxfp4_unpack)
+from zeroinfer.ops.moe_route import MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_TOPK, moe_route
 from zeroinfer.ops.rms_norm import rms_norm
 from zeroinfer.ops.rope import rope_rotate
 from zeroinfer.ops.sparse_mla import sparse_mla_attention
@@ -20,12 +21,15 @@ from zeroinfer.reference.indexer import indexer_scores_ref
 from zeroinfer.reference.length_correction import correct_lengths_ref
 from zeroinfer.reference.mhc import mhc_collapse_ref, mhc_mix_ref, mhc_mixes_ref
 from zeroinfer.reference.moe_gemm import mxfp4_grouped_gemm_ref
+from zeroinfer.reference.moe_route import moe_route_ref
 from zeroinfer.reference.rms_norm import rms_norm_ref
 from zeroinfer.reference.rope import rope_rotate_ref
 from zeroinfer.reference.sparse_mla import sparse_mla_attention_ref
 
 __all__ = [
     "MHC_MAX_STREAMS",
+    "MOE_ROUTE_MAX_EXPERTS",
+    "MOE_ROUTE_MAX_TOPK",
     "MXFP4_ROUTED_MAX_ROWS",
     "CorrectedLengths",
     "MhcMixes",
@@ -45,6 +49,8 @@ __all__ = [
     "moe_combine_ref",
     "moe_dispatch",
     "moe_dispatch_ref",
+    "moe_route",
+    "moe_route_ref",
     "mxfp4_act_scale_mn_major",
     "mxfp4_grouped_gemm",
     "mxfp4_grouped_gemm_ref",

@@ -1,7 +1,9 @@
 """The torch forms the model had before its one-launch ops (mhc_collapse, mhc_mix, rope_rotate;
-python/zeroinfer/model/ at 9c1fbd3; rms_norm at 4b3af3e). The first three ops must give these
-forms' bits: the tests assert it and the benchmarks check it before timing, against these one
-copies. rms_norm sums its squares in its own fixed order, so it matches its forms to rounding."""
+python/zeroinfer/model/ at 9c1fbd3; rms_norm at 4b3af3e; moe_route at session 38's start). The
+first three ops must give these forms' bits: the tests assert it and the benchmarks check it
+before timing, against these one copies. rms_norm sums its squares in its own fixed order, so it
+matches its forms to rounding; moe_route picks the same experts (in descending order, where
+the form keeps torch.topk's) with the same weights to rounding."""
 
 from __future__ import annotations
 
@@ -47,3 +49,13 @@ def torch_rms_norm(x, weight, eps):
 def torch_rms_norm_unweighted(x, eps):
     """No weight: the factor cast to x's dtype, the product in it."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def torch_moe_route(logits, k, scale, bias):
+    """The router's torch form after its linear layer (python/zeroinfer/model/moe.py before
+    moe_route): scores in the logits' dtype, unsorted top-k, renormalised weights."""
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    ids = torch.topk(scores + bias, k, dim=-1, sorted=False).indices
+    w = scores.gather(1, ids)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale
+    return ids.to(torch.int32), w.float()

@@ -1,0 +1,54 @@
+// CPU twin of the MoE router (contract in zeroinfer/moe_route.h): a token at a time, its scores,
+// then k passes picking the best unpicked expert, then the weights. Built with
+// -ffp-contract=off.
+#include <algorithm>
+
+#include "zeroinfer/moe_route.h"
+#include "zeroinfer/parallel.h"
+
+namespace zi {
+
+namespace {
+
+template <class T>
+void route_token(const MoeRouteParams& p, int64_t t) {
+  const T* logits = static_cast<const T*>(p.logits) + t * p.experts;
+  float s[kMoeRouteMaxExperts];
+  for (int e = 0; e < p.experts; ++e) s[e] = moe_route_score<T>(logits[e]);
+  int32_t* ids = p.ids + t * p.k;
+  float w[kMoeRouteMaxTopK];
+  if (p.table) {  // (the op checked the token ids and the rows they pick)
+    const int64_t* row = p.table + p.input_ids[t] * p.k;
+    for (int j = 0; j < p.k; ++j) ids[j] = static_cast<int32_t>(row[j]);
+  } else {
+    float key[kMoeRouteMaxExperts];
+    for (int e = 0; e < p.experts; ++e) key[e] = add_rn(s[e], p.bias[e]);
+    bool picked[kMoeRouteMaxExperts] = {};
+    for (int j = 0; j < p.k; ++j) {
+      int best = -1;
+      for (int e = 0; e < p.experts; ++e)
+        if (!picked[e] && (best < 0 || moe_route_before(key[e], e, key[best], best))) best = e;
+      picked[best] = true;
+      ids[j] = best;
+    }
+  }
+  for (int j = 0; j < p.k; ++j) w[j] = s[ids[j]];
+  moe_route_weights<T>(w, p.k, p.scale);
+  std::copy(w, w + p.k, p.weights + t * p.k);
+}
+
+}  // namespace
+
+void moe_route_cpu(const MoeRouteParams& p) {
+  ZI_CHECK(p.experts >= 1 && p.experts <= kMoeRouteMaxExperts && p.k >= 1 &&
+               p.k <= kMoeRouteMaxTopK && (p.table != nullptr || p.k <= p.experts),
+           "moe_route: bad sizes");
+  moe_route_dispatch(p.dtype, [&](auto type) {
+    using T = decltype(type);
+    parallel_for(p.num_tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) route_token<T>(p, t);
+    });
+  });
+}
+
+}  // namespace zi

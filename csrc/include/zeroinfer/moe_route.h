@@ -1,0 +1,84 @@
+// V4's MoE router after its linear layer, in one launch (it was ~12 torch calls a layer):
+//   s[e]   = sqrt(softplus(logits[t, e]))          "sqrtsoftplus", each op rounded to the logits'
+//                                                  dtype (HF computes the scores in it)
+//   learned routing:  ids = the k experts of largest s[e] + bias[e] (float32; the bias chooses,
+//                     it does not weigh), in descending order, ties to the lower expert index
+//   hash routing:     ids = table[input_ids[t]]    (V4's first layers: a frozen token-id table)
+//   w[j]   = s[ids[j]] / (sum_j s[ids[j]] + 1e-20) * scale     sum in slot order, in float32,
+//                                                  then each step rounded to the logits' dtype
+// softplus is torch's: x above 20 passes through, else log1p(exp(x)). A token's result depends
+// on its own row alone (batch-invariant). The CPU twin and the CUDA kernel (a warp a token) run
+// these operations in this order; only exp / log1p may differ by an ulp between the two.
+// Reference: zeroinfer.reference.moe_route.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "zeroinfer/common.h"
+#include "zeroinfer/numeric.h"
+
+namespace zi {
+
+constexpr int kMoeRouteMaxExperts = 512;
+constexpr int kMoeRouteMaxTopK = 16;
+
+struct MoeRouteParams {
+  int64_t num_tokens;         // T
+  int32_t experts;            // E, 1..kMoeRouteMaxExperts
+  int32_t k;                  // 1..min(E, kMoeRouteMaxTopK) (hash: the table's columns)
+  DType dtype;                // of logits: float32 or bfloat16
+  float scale;                // routed_scaling_factor
+  const void* logits;         // [T, E]
+  const float* bias;          // [E] learned routing's selection bias, or null with a table
+  const int64_t* table;       // [V, k] hash routing's expert table, or null
+  const int64_t* input_ids;   // [T] the tokens (hash routing), values in [0, V)
+  int64_t vocab;              // V (hash routing)
+  int32_t* ids;               // [T, k] out
+  float* weights;             // [T, k] out
+};
+
+// The score of a logit, rounded as torch rounds each op in the logits' dtype T.
+template <class T>
+ZI_HD float moe_route_score(T logit) {
+  const float x = to_float(logit);
+#if defined(__CUDA_ARCH__)
+  const float sp = x > 20.f ? x : log1pf(expf(x));
+#else
+  const float sp = x > 20.f ? x : std::log1p(std::exp(x));
+#endif
+  return round_to<T>(sqrt_rn(round_to<T>(sp)));
+}
+
+// Whether selection key (a, ea) ranks before (b, eb): larger first (NaN largest, as torch.topk
+// ranks it), equal keys by the lower expert index.
+ZI_HD bool moe_route_before(float a, int ea, float b, int eb) {
+  const bool na = a != a, nb = b != b;
+  if (na || nb) return na && (!nb || ea < eb);
+  return a > b || (a == b && ea < eb);
+}
+
+// The weights of a token's k chosen experts from their scores s[j] (slot order), in place.
+template <class T>
+ZI_HD void moe_route_weights(float* s, int k, float scale) {
+  float sum = 0.f;
+  for (int j = 0; j < k; ++j) sum = add_rn(sum, s[j]);
+  const float denom = round_to<T>(add_rn(round_to<T>(sum), 1e-20f));
+  for (int j = 0; j < k; ++j) s[j] = round_to<T>(mul_rn(round_to<T>(div_rn(s[j], denom)), scale));
+}
+
+// Calls f(T{}) for the logits' storage type (float, or bf16 bits).
+template <class F>
+void moe_route_dispatch(DType dtype, F&& f) {
+  if (dtype == DType::kFloat32) {
+    f(float{});
+  } else {
+    ZI_CHECK(dtype == DType::kBFloat16, "moe_route: logits must be float32 or bfloat16");
+    f(uint16_t{});
+  }
+}
+
+void moe_route_cpu(const MoeRouteParams& p);
+void moe_route_cuda(const MoeRouteParams& p, void* stream);
+
+}  // namespace zi

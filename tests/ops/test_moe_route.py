@@ -1,0 +1,140 @@
+"""moe_route against HF's torch form (the reference), its tie order, batch invariance and
+argument checks; on a GPU, the CPU twin's choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeroinfer.ops import moe_route, moe_route_ref
+
+SHAPES = [(1, 8, 1), (37, 64, 6), (5, 256, 6), (9, 300, 16), (3, 6, 6)]  # tokens, experts, k
+
+
+def poisoned(tokens, k, device="cpu"):
+    return (torch.full((tokens, k), -7, dtype=torch.int32, device=device),
+            torch.full((tokens, k), float("nan"), device=device))
+
+
+def tol(dtype):  # one rounding of the logits' dtype apart at most (exp / log1p, the sum order)
+    return dict(atol=1e-7, rtol=2e-6) if dtype == torch.float32 else dict(atol=0, rtol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_learned_routing_matches_reference(gen, dtype, shape):
+    T, E, k = shape
+    logits = (torch.randn(T, E, generator=gen) * 2).to(dtype)
+    bias = torch.randn(E, generator=gen) * 0.5
+    ids, w = moe_route(logits, k, scale=1.5, bias=bias, out=poisoned(T, k))
+    ref_ids, ref_w = moe_route_ref(logits, k, scale=1.5, bias=bias)
+    assert torch.equal(ids.long(), ref_ids)  # (random logits: no ties)
+    torch.testing.assert_close(w.double(), ref_w, **tol(dtype))
+    torch.testing.assert_close(w.double().sum(1), torch.full((T,), 1.5, dtype=torch.float64),
+                               atol=0, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hash_routing_matches_reference(gen, dtype):
+    T, E, k, V = 23, 64, 6, 50
+    logits = torch.randn(T, E, generator=gen).to(dtype)
+    table = torch.randint(0, E, (V, k), generator=gen)
+    table[3] = table[3, 0]  # a row naming one expert k times (HF sums their weights)
+    input_ids = torch.randint(0, V, (T,), generator=gen)
+    input_ids[0] = 3
+    ids, w = moe_route(logits, k, scale=2.5, hash_table=table, input_ids=input_ids,
+                       out=poisoned(T, k))
+    ref_ids, ref_w = moe_route_ref(logits, k, scale=2.5, hash_table=table, input_ids=input_ids)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w.double(), ref_w, **tol(dtype))
+
+
+def test_ties_go_to_the_lower_expert_in_descending_order(gen):
+    """Keys that tie exactly (logits on a coarse grid, no bias spread): the chosen experts are the
+    k largest keys, descending, equal keys by expert index - a stable descending sort."""
+    T, E, k = 16, 64, 6
+    logits = torch.randint(-2, 3, (T, E), generator=gen).float()
+    bias = torch.zeros(E)
+    ids, _ = moe_route(logits, k, scale=1.0, bias=bias)
+    keys = torch.nn.functional.softplus(logits).sqrt() + bias
+    want = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(ids.long(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_the_batch(gen, dtype):
+    logits = torch.randn(41, 256, generator=gen).to(dtype)
+    bias = torch.randn(256, generator=gen) * 0.1
+    full = moe_route(logits, 6, scale=1.5, bias=bias)
+    for lo, hi in ((0, 1), (7, 8), (3, 30), (40, 41)):
+        part = moe_route(logits[lo:hi].contiguous(), 6, scale=1.5, bias=bias)
+        assert torch.equal(part[0], full[0][lo:hi]) and torch.equal(part[1], full[1][lo:hi])
+
+
+def test_argument_errors(gen):
+    logits, bias = torch.randn(4, 8, generator=gen), torch.randn(8, generator=gen)
+    table, ids = torch.randint(0, 8, (10, 2), generator=gen), torch.tensor([1, 2, 3, 9])
+    cases = [
+        (dict(logits=logits.half(), k=2, bias=bias), TypeError, "logits must have dtype"),
+        (dict(logits=torch.randn(4, 600), k=2, bias=torch.randn(600)), ValueError, "1..512"),
+        (dict(logits=logits, k=0, bias=bias), ValueError, "k must be >= 1"),
+        (dict(logits=logits, k=17, bias=bias), ValueError, "k must be <= 16"),
+        (dict(logits=logits, k=9, bias=bias), ValueError, "k must be <= the number of experts"),
+        (dict(logits=logits, k=2), ValueError, "exactly one of bias"),
+        (dict(logits=logits, k=2, bias=bias, hash_table=table), ValueError, "exactly one of"),
+        (dict(logits=logits, k=2, bias=bias.double()), TypeError, "bias must have dtype"),
+        (dict(logits=logits, k=2, hash_table=table), ValueError, "needs input_ids"),
+        (dict(logits=logits, k=3, hash_table=table, input_ids=ids), ValueError,
+         "hash_table must have shape"),
+        (dict(logits=logits, k=2, hash_table=table, input_ids=ids + 7), ValueError,
+         r"input_ids must be in \[0, 10\)"),
+        (dict(logits=logits, k=2, hash_table=table * 3, input_ids=ids), ValueError,
+         r"expert ids in \[0, 8\)"),
+        (dict(logits=logits.t(), k=2, bias=torch.randn(4)), ValueError, "contiguous"),
+    ]
+    for kw, exc, msg in cases:
+        logits_, k = kw.pop("logits"), kw.pop("k")
+        with pytest.raises(exc, match=msg):
+            moe_route(logits_, k, scale=1.0, **kw)
+    with pytest.raises(ValueError, match="out\\[1\\] \\(weights\\) must have shape"):
+        moe_route(logits, 2, scale=1.0, bias=bias,
+                  out=(torch.empty(4, 2, dtype=torch.int32), torch.empty(4, 3)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES + [(4096, 256, 6)])
+def test_cuda_matches_the_cpu_twin(gen, dtype, shape):
+    T, E, k = shape
+    logits = (torch.randn(T, E, generator=gen) * 2).to(dtype)
+    logits[0, : E // 2] = logits[0, E // 2: 2 * (E // 2)]  # exact ties in one row
+    bias = torch.randn(E, generator=gen) * 0.5
+    bias[: E // 2] = bias[E // 2: 2 * (E // 2)]
+    ids, w = moe_route(logits.cuda(), k, scale=1.5, bias=bias.cuda(), out=poisoned(T, k, "cuda"))
+    cpu_ids, cpu_w = moe_route(logits, k, scale=1.5, bias=bias)
+    assert torch.equal(ids.cpu(), cpu_ids)
+    torch.testing.assert_close(w.cpu(), cpu_w, **tol(dtype))
+    full = (ids, w)
+    part = moe_route(logits[T // 2:].cuda().contiguous(), k, scale=1.5, bias=bias.cuda())
+    assert torch.equal(part[0], full[0][T // 2:]) and torch.equal(part[1], full[1][T // 2:])
+
+
+@pytest.mark.gpu
+def test_cuda_hash_routing_and_bad_ids(gen):
+    T, E, k, V = 37, 64, 6, 50
+    logits = torch.randn(T, E, generator=gen).bfloat16()
+    table = torch.randint(0, E, (V, k), generator=gen)
+    input_ids = torch.randint(0, V - 1, (T,), generator=gen)
+    input_ids[2] = V - 1  # the one token of that row
+    ids, w = moe_route(logits.cuda(), k, scale=1.5, hash_table=table.cuda(),
+                       input_ids=input_ids.cuda(), out=poisoned(T, k, "cuda"))
+    cpu_ids, cpu_w = moe_route(logits, k, scale=1.5, hash_table=table, input_ids=input_ids)
+    assert torch.equal(ids.cpu(), cpu_ids)
+    torch.testing.assert_close(w.cpu(), cpu_w, **tol(torch.bfloat16))
+    # on CUDA nothing is checked on the host: a bad token id or table entry marks its token
+    input_ids[1], table[V - 1, 0] = V + 4, E
+    ids, w = moe_route(logits.cuda(), k, scale=1.5, hash_table=table.cuda(),
+                       input_ids=input_ids.cuda())
+    for t in (1, 2):
+        assert (ids[t] == -1).all() and w[t].isnan().all()
+    assert (ids[0] >= 0).all() and not w[0].isnan().any()
