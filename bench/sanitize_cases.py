@@ -4,7 +4,7 @@
 import torch
 
 from zeroinfer.ops import (correct_lengths, indexer_scores, mhc_collapse, mhc_mix, mhc_mixes,
-                           moe_combine, moe_dispatch, rms_norm, rope_rotate,
+                           moe_combine, moe_dispatch, moe_route, rms_norm, rope_rotate,
                            sparse_mla_attention)
 from zeroinfer.quant.kv_fp8 import quantize_kv_fp8
 
@@ -204,19 +204,28 @@ for dtype, H, d in ((torch.float32, 33, 65), (torch.bfloat16, 33, 65), (torch.bf
                    torch.randn(T, H, generator=gen).cuda(), keys, table.cuda(),
                    torch.tensor([0, 1, 2, 1, 0]).cuda(),
                    torch.tensor([91, 30, 0, 7, 50]).cuda(), 91, scale=d**-0.5)
-# Enough tiles (4 x 300) for the tensor-core kernel to stream two a CTA (its second stage).
+# Enough tiles (16 x 300) for the tensor-core kernel to stream ~5 a CTA through its 3-stage ring.
 keys = torch.randn(1200, 64, 128, generator=gen).to("cuda", torch.bfloat16)
-indexer_scores(torch.randn(4, 64, 128, generator=gen).bfloat16().float().cuda(),
-               torch.randn(4, 64, generator=gen).cuda(), keys,
+indexer_scores(torch.randn(16, 64, 128, generator=gen).bfloat16().float().cuda(),
+               torch.randn(16, 64, generator=gen).cuda(), keys,
                torch.randperm(1200, generator=gen).view(4, 300).int().cuda(),
-               torch.arange(4).cuda(), torch.tensor([19200, 19170, 5000, 1]).cuda(), 19200,
-               scale=128**-0.5)
+               torch.arange(16).remainder(4).cuda(),
+               torch.tensor([19200, 19170, 5000, 1] * 4).cuda(), 19200, scale=128**-0.5)
 
-# RMS norms: rows shorter than the 256 lanes, and longer with a ragged end; both dtypes.
-for dtype, D in ((torch.float32, 7), (torch.bfloat16, 300), (torch.float32, 16384)):
-    x = torch.randn(3, D, generator=gen).to("cuda", dtype)
+# RMS norms: rows shorter than the 256 lanes, and longer with a ragged end; both dtypes; a warp a
+# row up to 1024 (16-byte loads at D = 512; element by element at 7, 300), a CTA a row above.
+for dtype, D in ((torch.float32, 7), (torch.bfloat16, 300), (torch.bfloat16, 512),
+                 (torch.float32, 16384)):
+    x = torch.randn(5, D, generator=gen).to("cuda", dtype)
     rms_norm(x, torch.rand(D, generator=gen).cuda(), 1e-6)
     rms_norm(x, None, 1e-6)
+
+# MoE router: learned routing (V4's 256 experts, top-6; a partial last CTA of warps) and hash
+# routing with a bad token id (its token marked, nothing read out of range).
+logits = torch.randn(5, 256, generator=gen).to("cuda", torch.bfloat16)
+moe_route(logits, 6, scale=1.5, bias=torch.randn(256, generator=gen).cuda())
+moe_route(logits, 6, scale=1.5, hash_table=torch.randint(0, 256, (9, 6), generator=gen).cuda(),
+          input_ids=torch.tensor([0, 8, 3, 99, 1]).cuda())
 
 torch.cuda.synchronize()
 print("sanitize cases done")
