@@ -12,7 +12,7 @@ from torch import nn
 from zeroinfer import ops
 from zeroinfer.model.cache import CompressorState, ForwardBatch, LayerCache, host_tensor, slots_of
 from zeroinfer.model.config import CSA, HCA, SLIDING, ModelConfig
-from zeroinfer.model.linear import Linear, pad_rows
+from zeroinfer.model.linear import FusedLinears, Linear, pad_rows
 from zeroinfer.model.norm import rms_norm, rms_norm_unweighted
 from zeroinfer.model.rope import RopeTables, apply_rope
 
@@ -51,6 +51,7 @@ class Compressor(nn.Module):
         self.gate_proj = dense(hidden, series * width, dtype)
         self.position_bias = nn.Parameter(torch.empty(rate, series * width, dtype=torch.float32))
         self.kv_norm = NormWeight(width)
+        self.kv_gate = FusedLinears(self.kv_proj, self.gate_proj)  # one GEMM for both
 
     def compress_batch(self, x: torch.Tensor, batch: ForwardBatch, state: CompressorState,
                        rope: RopeTables) -> tuple[list[int], list[int], torch.Tensor | None]:
@@ -61,7 +62,7 @@ class Compressor(nn.Module):
         several (prefill) one by one. Returns the new entries [N, width] with each one's
         sequence and entry index (lists of N), entries None if there are none, and updates the
         state."""
-        kv_all, gate_all = self.kv_proj(x), self.gate_proj(x)
+        kv_all, gate_all = self.kv_gate(x)
         m, cu = self.rate, batch.cu_seqlens
         tokens, slots, offsets, one = [], [], [], []
         seqs, index, pieces = [], [], []

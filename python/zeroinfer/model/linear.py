@@ -44,3 +44,41 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
+
+
+class FusedLinears:
+    """Linears that read one input, computed by one GEMM over their weights' rows stacked: on a
+    GPU each GEMM is a launch and a few Python calls, and a decode step is bound by those.
+
+    The first call stacks the weights into one [sum N, K] tensor and makes each linear's weight
+    a view of its rows, so they share that storage (state_dict and loading still see each
+    linear's own weight; memory is not doubled). If a weight is replaced or moved later, the
+    next call stacks them again. Returns the outputs as column slices of the one result (views,
+    not contiguous: for consumers that take strided tensors)."""
+
+    def __init__(self, *modules: nn.Module) -> None:
+        self.modules = modules
+        self.sizes = [m.weight.shape[0] for m in modules]
+        self.weight: torch.Tensor | None = None
+
+    def stacked(self) -> torch.Tensor:
+        w, row = self.weight, 0
+        if w is not None:  # (each weight still row `row` on of w: pointer arithmetic, no op)
+            base, pitch = w.data_ptr(), w.stride(0) * w.element_size()
+            for m, n in zip(self.modules, self.sizes):
+                p = m.weight
+                if p.device != w.device or p.data_ptr() != base + row * pitch or p.shape[0] != n:
+                    w = None
+                    break
+                row += n
+        if w is None:
+            w = torch.cat([m.weight.detach() for m in self.modules])
+            row = 0
+            for m, n in zip(self.modules, self.sizes):
+                m.weight = nn.Parameter(w[row:row + n], requires_grad=False)
+                row += n
+            self.weight = w
+        return w
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return linear(x, self.stacked()).split(self.sizes, dim=-1)

@@ -11,7 +11,7 @@ from torch import nn
 
 from zeroinfer import ops
 from zeroinfer.model.config import HASH_MOE, ModelConfig
-from zeroinfer.model.linear import Linear, linear
+from zeroinfer.model.linear import FusedLinears, Linear, linear
 
 
 class Router(nn.Module):
@@ -75,6 +75,12 @@ class SharedExpert(nn.Module):
         self.gate_proj = Linear(D, I, dtype)
         self.up_proj = Linear(D, I, dtype)
         self.down_proj = Linear(I, D, dtype)
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)  # one GEMM for both
+
+    def forward(self, y: torch.Tensor, limit: float) -> torch.Tensor:
+        """V4's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit), then down."""
+        gate, up = self.gate_up(y)
+        return self.down_proj(F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit))
 
 
 class MoE(nn.Module):
@@ -104,5 +110,4 @@ class MoE(nn.Module):
                                    out_dtype=y.dtype, **seg)
         o = ops.mxfp4_grouped_gemm(h, w2, s2, out_dtype=y.dtype, **seg)
         routed = ops.moe_combine(o, topk_weights=w, out_dtype=y.dtype, **rows)
-        shared = sh.down_proj(F.silu(sh.gate_proj(y).clamp(max=lam)) * sh.up_proj(y).clamp(-lam, lam))
-        return routed + shared
+        return routed + sh(y, lam)
