@@ -42,7 +42,7 @@ void rms_norm_cpu(const RmsNormParams& p) {
     const int64_t grain = std::max<int64_t>(1, 16384 / p.dim);
     parallel_for(p.rows, grain, [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row)
-        norm_row<T>(p, static_cast<const T*>(p.x) + row * p.dim,
+        norm_row<T>(p, static_cast<const T*>(p.x) + row * p.x_stride,
                     static_cast<T*>(p.y) + row * p.dim);
     });
   });

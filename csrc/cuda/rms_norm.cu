@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(32 * kRowsPerCta) rms_norm_warp_kernel(RmsNorm
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + (threadIdx.x >> 5);
   if (row >= p.rows) return;  // (whole warps: the shuffles below stay full)
   const int l = threadIdx.x & 31;
-  const T* x = static_cast<const T*>(p.x) + row * p.dim;
+  const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
   T* y = static_cast<T*>(p.y) + row * p.dim;
   // Lane 8l + k sums elements 8l + k + 256 m, m ascending. A chunk's 8 elements are whole or
   // absent where D % 8 == 0 (vec); otherwise element by element.
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kRmsNormLanes) rms_norm_kernel(RmsNormParams p
   __shared__ float lanes[kRmsNormLanes];
   const int64_t row = blockIdx.x;
   const int j = threadIdx.x;
-  const T* x = static_cast<const T*>(p.x) + row * p.dim;
+  const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
   T* y = static_cast<T*>(p.y) + row * p.dim;
   lanes[j] = rms_lane_sum(x, p.dim, j);
   __syncthreads();
@@ -156,6 +156,7 @@ void rms_norm_cuda(const RmsNormParams& p, void* stream) {
     if (p.dim <= kWarpRowMax) {
       auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
       const bool vec = p.dim % 8 == 0 && aligned(p.x) && aligned(p.y) &&
+                       p.x_stride * static_cast<int64_t>(sizeof(T)) % 16 == 0 &&
                        (p.weight == nullptr || aligned(p.weight));
       const int64_t blocks = (p.rows + kRowsPerCta - 1) / kRowsPerCta;
       rms_norm_warp_kernel<T><<<static_cast<unsigned>(blocks), 32 * kRowsPerCta, 0, s>>>(p, vec);

@@ -117,3 +117,18 @@ def test_cuda_unaligned_rows_give_the_cpu_bits(gen, dtype, dim):
         got = rms_norm(xu, wc, 1e-6, out=out)
         assert torch.equal(got.cpu(), rms_norm(x, weight, 1e-6))
         assert torch.equal(got, rms_norm(x.cuda(), wc, 1e-6))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,offset,width", [(512, 64, 1664), (300, 3, 700), (4096, 512, 8704)])
+def test_row_strided_x_gives_its_contiguous_copys_bits(gen, device, dtype, dim, offset, width):
+    """x a column slice of a wider matrix (rows evenly spaced, unit-stride: FusedLinears'
+    outputs): the same bits as the slice made contiguous, and a contiguous result."""
+    wide = (torch.randn(7, width, generator=gen) * 3).to(device, dtype)
+    x = wide[:, offset:offset + dim]
+    w = (torch.rand(dim, generator=gen) + 0.5).to(device)
+    for weight in (w, None):
+        got = rms_norm(x, weight, 1e-6)
+        assert got.is_contiguous() and got.shape == x.shape
+        assert torch.equal(got, rms_norm(x.contiguous(), weight, 1e-6))

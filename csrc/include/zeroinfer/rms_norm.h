@@ -28,9 +28,10 @@ struct RmsNormParams {
   int64_t dim;          // D
   DType dtype;          // of x and y: float32 or bfloat16
   float eps;
-  const void* x;        // [rows, D]
+  const void* x;        // [rows, D], rows x_stride apart
   const float* weight;  // [D], or null: the unweighted norm
   void* y;              // [rows, D] out
+  int64_t x_stride;     // elements from one row of x to the next (>= D; D when contiguous)
 };
 
 // Lane j's partial sum of squares of row x (D elements).

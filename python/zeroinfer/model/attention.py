@@ -51,18 +51,17 @@ class Compressor(nn.Module):
         self.gate_proj = dense(hidden, series * width, dtype)
         self.position_bias = nn.Parameter(torch.empty(rate, series * width, dtype=torch.float32))
         self.kv_norm = NormWeight(width)
-        self.kv_gate = FusedLinears(self.kv_proj, self.gate_proj)  # one GEMM for both
 
-    def compress_batch(self, x: torch.Tensor, batch: ForwardBatch, state: CompressorState,
-                       rope: RopeTables) -> tuple[list[int], list[int], torch.Tensor | None]:
-        """Every sequence's new tokens x [T, D] (batch order): the projections in one call each,
-        the tokens of windows that stay open buffered by one indexed write for the whole batch
+    def compress_batch(self, kv_all: torch.Tensor, gate_all: torch.Tensor, batch: ForwardBatch,
+                       state: CompressorState, rope: RopeTables,
+                       ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """Every sequence's new tokens' projections kv_all / gate_all [T, series * width] (batch
+        order; kv_proj / gate_proj of the layer input, made by the attention's one GEMM): the tokens of windows that stay open buffered by one indexed write for the whole batch
         (a decode step's common case: one token, rate 4 or 128), the sequences whose new tokens
         close exactly one window (the other decode case) pooled together, and those closing
         several (prefill) one by one. Returns the new entries [N, width] with each one's
         sequence and entry index (lists of N), entries None if there are none, and updates the
         state."""
-        kv_all, gate_all = self.kv_gate(x)
         m, cu = self.rate, batch.cu_seqlens
         tokens, slots, offsets, one = [], [], [], []
         seqs, index, pieces = [], [], []
@@ -86,7 +85,7 @@ class Compressor(nn.Module):
             seqs += [i for i, *_ in one]
             index += [start // m for _, _, _, start, _ in one]
         if tokens:
-            tok, sl, off = (host_tensor(v, x.device) for v in (tokens, slots, offsets))
+            tok, sl, off = (host_tensor(v, kv_all.device) for v in (tokens, slots, offsets))
             state.buf_kv[sl, off] = kv_all[tok].float()
             state.buf_gate[sl, off] = gate_all[tok].float()
         entries = None if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -179,14 +178,15 @@ class Indexer(Compressor):
         self.q_b_proj = dense(config.q_lora_rank, config.index_n_heads * config.index_head_dim, dtype)
         self.scorer = IndexerScorer(config.hidden_size, config.index_n_heads, dtype)
 
-    def queries(self, x: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor,
+    def queries(self, head_logits: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query's index heads, rotated, q [T, heads, d_I] float32, and head weights
-        [T, heads] float32: one projection call each for the whole batch (x [T, D], q_res
-        [T, d_q], cos / sin of the compress table at the queries' positions)."""
-        T = x.shape[0]
+        [T, heads] float32, for the whole batch: head_logits [T, heads] the scorer's
+        weights_proj of the layer input (the attention's one GEMM), q_res [T, d_q], cos / sin
+        of the compress table at the queries' positions."""
+        T = q_res.shape[0]
         q = apply_rope(self.q_b_proj(q_res).view(T, self.heads, self.width), cos, sin).float()
-        return q, self.scorer.weights_proj(x).float() * self.heads**-0.5
+        return q, head_logits.float() * self.heads**-0.5
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                tables: torch.Tensor, seq: torch.Tensor, visible: torch.Tensor, num_entries: int,
@@ -243,6 +243,15 @@ class Attention(nn.Module):
             self.compressor = CSACompressor(c, dtype)
         elif self.kind == HCA:
             self.compressor = Compressor(c.hidden_size, d, c.hca_rate, False, c.rms_norm_eps, dtype)
+        # Every projection of the layer input in one GEMM (FusedLinears): the queries' low rank
+        # and K=V, and the compressor's and the indexer's kv / gate and head weights.
+        proj = [self.q_a_proj, self.kv_proj]
+        if self.compressor is not None:
+            proj += [self.compressor.kv_proj, self.compressor.gate_proj]
+        if self.kind == CSA:
+            ix = self.compressor.indexer
+            proj += [ix.kv_proj, ix.gate_proj, ix.scorer.weights_proj]
+        self.x_proj = FusedLinears(*proj)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache,
                 rope: RopeTables) -> torch.Tensor:
@@ -253,10 +262,11 @@ class Attention(nn.Module):
         cos, sin = batch.derived(("cos_sin", self.table, x.dtype),
                                  lambda: rope.cos_sin(self.table, pos, x.dtype))
 
-        q_res = rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
+        q_a, kv_x, *comp_proj = self.x_proj(x)
+        q_res = rms_norm(q_a, self.q_a_norm.weight, eps)
         q = rms_norm_unweighted(self.q_b_proj(q_res).view(T, H, d), eps)
         q = apply_rope(q, cos, sin)
-        kv = apply_rope(rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), cos, sin)
+        kv = apply_rope(rms_norm(kv_x, self.kv_norm.weight, eps), cos, sin)
 
         # The window: write this step's K=V, then each query reads its last W positions.
         B = cache.window.shape[1]
@@ -265,7 +275,8 @@ class Attention(nn.Module):
 
         extra_cache = extra_idx = None
         if self.compressor is not None:
-            extra_idx = self._compressed_indices(x, q_res, batch, seq, cache, rope, cos, sin)
+            extra_idx = self._compressed_indices(comp_proj, q_res, batch, seq, cache, rope,
+                                                 cos, sin)
             extra_cache = cache.comp
         out, _ = ops.sparse_mla_attention(
             q.contiguous(), cache.window, win_idx, d**-0.5, attn_sink=self.sinks,
@@ -298,11 +309,13 @@ class Attention(nn.Module):
                            win_pos.clamp(min=0), B)
         return write, torch.where(win_pos >= 0, win_idx, -1).to(torch.int32).contiguous()
 
-    def _compressed_indices(self, x, q_res, batch: ForwardBatch, seq, cache: LayerCache,
+    def _compressed_indices(self, proj, q_res, batch: ForwardBatch, seq, cache: LayerCache,
                             rope: RopeTables, cos, sin) -> torch.Tensor:
         """Compress this step's tokens of every sequence into the layer's cache and return, per
         query, the slots of the compressed entries it attends to ([T, K2] int32, -1 = none).
-        cos / sin: the layer's (the compress table) at the queries' positions."""
+        proj: the layer input's projections past q_a / kv (x_proj): the compressor's kv, gate,
+        then (CSA) the indexer's kv, gate and head logits. cos / sin: the layer's (the compress
+        table) at the queries' positions."""
         comp = self.compressor
         assert comp is not None
         m = comp.rate
@@ -310,13 +323,15 @@ class Attention(nn.Module):
         tables = batch.csa_tables if csa else batch.hca_tables
         Bc = cache.comp.shape[1]
 
-        def store(pool: torch.Tensor, compressor: Compressor, state: CompressorState) -> None:
-            seqs, index, entries = compressor.compress_batch(x, batch, state, rope)
+        def store(pool: torch.Tensor, compressor: Compressor, state: CompressorState, kv_all,
+                  gate_all) -> None:
+            seqs, index, entries = compressor.compress_batch(kv_all, gate_all, batch, state, rope)
             if entries is not None:  # one indexed write for every new entry of the batch
-                at = slots_of(tables, host_tensor(seqs, x.device), host_tensor(index, x.device), Bc)
+                dev = pool.device
+                at = slots_of(tables, host_tensor(seqs, dev), host_tensor(index, dev), Bc)
                 pool.view(-1, pool.shape[-1])[at] = entries.to(pool.dtype)
 
-        store(cache.comp, comp, cache.state["compressor"])
+        store(cache.comp, comp, cache.state["compressor"], proj[0], proj[1])
         # Entries of each sequence after this step; a query sees those of windows closed at or
         # before its position.
         totals = [(batch.context_lens[i] + batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]) // m
@@ -327,8 +342,8 @@ class Attention(nn.Module):
             return batch.derived(("hca", m, Bc), lambda: self._hca_slots(batch, tables, visible,
                                                                         max(totals + [0]), Bc))
         ix = comp.indexer
-        store(cache.index, ix, cache.state["indexer"])
-        iq, iw = ix.queries(x, q_res, cos, sin)
+        store(cache.index, ix, cache.state["indexer"], proj[2], proj[3])
+        iq, iw = ix.queries(proj[4], q_res, cos, sin)
         n_max = max(totals + [0])
         width = max([min(ix.topk, t) for t in totals] + [0])  # each query's top-k at most
         chosen = ix.select(iq, iw, cache.index, tables, seq, visible, n_max, width)

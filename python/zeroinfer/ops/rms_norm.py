@@ -23,25 +23,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """The RMS norm of x [..., D] over D (definition in the module doc).
 
-    x: float32 or bfloat16, contiguous, D >= 1; weight: float32 [D] on x's device, or None for
-    the unweighted norm; eps: finite, >= 0. Returns a new tensor, or fills `out` (x's shape and
-    dtype; it may not overlap the inputs).
+    x: float32 or bfloat16, D >= 1, contiguous - or a 2-D [rows, D] whose rows are unit-stride
+    and evenly spaced (a column slice of a wider matrix, as FusedLinears' outputs are); weight:
+    float32 [D] on x's device, or None for the unweighted norm; eps: finite, >= 0. Returns a new
+    contiguous tensor, or fills `out` (x's shape and dtype, contiguous; it may not overlap the
+    inputs).
     """
     op = "rms_norm"
-    check_tensor(op, "x", x, dtypes=(torch.float32, torch.bfloat16))
+    rows_view = (isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(1) == 1
+                 and x.stride(0) >= x.shape[1])
+    check_tensor(op, "x", x, dtypes=(torch.float32, torch.bfloat16), contiguous=not rows_view)
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"{op}: x must be [..., D] with D >= 1, got shape {tuple(x.shape)}")
     dim = x.shape[-1]
+    x_stride = x.stride(0) if rows_view else dim
     if weight is not None:
         check_tensor(op, "weight", weight, dtypes=(torch.float32,), shape=(dim,), device=x.device)
     eps = check_float(op, "eps", eps)
     if eps < 0:
         raise ValueError(f"{op}: eps must be >= 0, got {eps}")
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
         check_tensor(op, "out", out, dtypes=(x.dtype,), shape=tuple(x.shape), device=x.device)
         check_no_alias(op, {"out": out}, {"x": x, "weight": weight})
-    _C.rms_norm(use_cuda(x.device, op), x.numel() // dim, dim, dtype_code(x), eps, ptr(x),
-                ptr(weight), ptr(out), stream_of(x.device))
+    _C.rms_norm(use_cuda(x.device, op), x.numel() // dim, dim, x_stride, dtype_code(x), eps,
+                ptr(x), ptr(weight), ptr(out), stream_of(x.device))
     return out
