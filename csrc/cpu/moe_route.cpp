@@ -12,7 +12,7 @@ namespace {
 
 template <class T>
 void route_token(const MoeRouteParams& p, int64_t t) {
-  const T* logits = static_cast<const T*>(p.logits) + t * p.experts;
+  const T* logits = static_cast<const T*>(p.logits) + t * p.logits_stride;
   float s[kMoeRouteMaxExperts];
   for (int e = 0; e < p.experts; ++e) s[e] = moe_route_score<T>(logits[e]);
   int32_t* ids = p.ids + t * p.k;

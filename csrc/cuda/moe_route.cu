@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(32 * kWarps) moe_route_kernel(MoeRouteParams p
   if (t >= p.num_tokens) return;  // (whole warps)
   const int lane = threadIdx.x & 31;
   constexpr unsigned kAll = 0xffffffffu;
-  const T* logits = static_cast<const T*>(p.logits) + t * p.experts;
+  const T* logits = static_cast<const T*>(p.logits) + t * p.logits_stride;
   float s[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {

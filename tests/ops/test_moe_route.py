@@ -138,3 +138,15 @@ def test_cuda_hash_routing_and_bad_ids(gen):
     for t in (1, 2):
         assert (ids[t] == -1).all() and w[t].isnan().all()
     assert (ids[0] >= 0).all() and not w[0].isnan().any()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_row_strided_logits_give_their_contiguous_copys_result(gen, device):
+    """Logits a column slice of a wider matrix (the MoE's one GEMM): the same ids and weights as
+    the slice made contiguous."""
+    wide = torch.randn(19, 256 + 2048, generator=gen).to(device, torch.bfloat16)
+    logits = wide[:, 64:64 + 256]
+    bias = (torch.randn(256, generator=gen) * 0.5).to(device)
+    got = moe_route(logits, 6, scale=1.5, bias=bias)
+    want = moe_route(logits.contiguous(), 6, scale=1.5, bias=bias)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

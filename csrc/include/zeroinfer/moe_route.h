@@ -29,13 +29,14 @@ struct MoeRouteParams {
   int32_t k;                  // 1..min(E, kMoeRouteMaxTopK) (hash: the table's columns)
   DType dtype;                // of logits: float32 or bfloat16
   float scale;                // routed_scaling_factor
-  const void* logits;         // [T, E]
+  const void* logits;         // [T, E], rows logits_stride apart
   const float* bias;          // [E] learned routing's selection bias, or null with a table
   const int64_t* table;       // [V, k] hash routing's expert table, or null
   const int64_t* input_ids;   // [T] the tokens (hash routing), values in [0, V)
   int64_t vocab;              // V (hash routing)
   int32_t* ids;               // [T, k] out
   float* weights;             // [T, k] out
+  int64_t logits_stride;      // elements from one token's logits to the next (>= E)
 };
 
 // The score of a logit, rounded as torch rounds each op in the logits' dtype T.

@@ -11,7 +11,7 @@ from torch import nn
 
 from zeroinfer import ops
 from zeroinfer.model.config import HASH_MOE, ModelConfig
-from zeroinfer.model.linear import FusedLinears, Linear, linear
+from zeroinfer.model.linear import FusedLinears, Linear
 
 
 class Router(nn.Module):
@@ -25,11 +25,11 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, y: torch.Tensor, input_ids: torch.Tensor):
-        """Returns (expert ids [T, k] int32, weights [T, k] float32): "sqrtsoftplus" scores of
-        the logits, the top k by score + bias (the bias only chooses) or the token's row of the
-        hash table, the chosen scores renormalised times rho - one ops.moe_route launch."""
-        logits = linear(y, self.weight)
+    def route(self, logits: torch.Tensor, input_ids: torch.Tensor):
+        """(expert ids [T, k] int32, weights [T, k] float32) from the router logits [T, E]
+        (y @ weight^T, made by the MoE's one GEMM): "sqrtsoftplus" scores, the top k by score +
+        bias (the bias only chooses) or the token's row of the hash table, the chosen scores
+        renormalised times rho - one ops.moe_route launch."""
         if self.hashed:
             return ops.moe_route(logits, self.k, scale=self.rho, hash_table=self.tid2eid,
                                  input_ids=input_ids)
@@ -75,11 +75,10 @@ class SharedExpert(nn.Module):
         self.gate_proj = Linear(D, I, dtype)
         self.up_proj = Linear(D, I, dtype)
         self.down_proj = Linear(I, D, dtype)
-        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)  # one GEMM for both
 
-    def forward(self, y: torch.Tensor, limit: float) -> torch.Tensor:
-        """V4's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit), then down."""
-        gate, up = self.gate_up(y)
+    def finish(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """V4's clamped SwiGLU of the gate / up projections (the MoE's one GEMM), then down:
+        down(silu(min(gate, limit)) * clamp(up, -limit, limit))."""
         return self.down_proj(F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit))
 
 
@@ -90,11 +89,15 @@ class MoE(nn.Module):
         self.gate = Router(config, config.mlp_layer_types[layer] == HASH_MOE, dtype)
         self.experts = Experts(config)
         self.shared_experts = SharedExpert(config, dtype)
+        # The router's logits and the shared expert's gate / up: one GEMM of the input.
+        sh = self.shared_experts
+        self.y_proj = FusedLinears(self.gate, sh.gate_proj, sh.up_proj)
 
     def forward(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         c, ex, sh = self.config, self.experts, self.shared_experts
         lam = c.swiglu_limit
-        ids, w = self.gate(y, input_ids)
+        logits, gate, up = self.y_proj(y)
+        ids, w = self.gate.route(logits, input_ids)
         pk = ex.packed() if y.dtype == torch.bfloat16 else None  # CUDA: prepacked once
         w1, s1 = (pk[0], None) if pk else (ex.gate_up_blocks, ex.gate_up_scales)
         w2, s2 = (pk[1], None) if pk else (ex.down_blocks, ex.down_scales)
@@ -110,4 +113,4 @@ class MoE(nn.Module):
                                    out_dtype=y.dtype, **seg)
         o = ops.mxfp4_grouped_gemm(h, w2, s2, out_dtype=y.dtype, **seg)
         routed = ops.moe_combine(o, topk_weights=w, out_dtype=y.dtype, **rows)
-        return routed + sh(y, lam)
+        return routed + sh.finish(gate, up, lam)

@@ -30,7 +30,8 @@ def moe_route(logits: torch.Tensor, k: int, *, scale: float, bias: torch.Tensor 
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [T, k] int32, weights [T, k] float32) of every token (definition in the module doc).
 
-    logits [T, E] float32 or bfloat16, E <= 512. Learned routing: bias float32 [E], k <= E.
+    logits [T, E] float32 or bfloat16, E <= 512, rows unit-stride and evenly spaced (contiguous,
+    or a column slice of a wider matrix, as FusedLinears' outputs are). Learned routing: bias float32 [E], k <= E.
     Hash routing: hash_table int64 [V, k] of expert ids and input_ids int64 [T] (token ids in
     [0, V)), no bias. k <= 16. All contiguous, on one device. On the CPU the token ids and the
     table rows they pick are checked; on CUDA (no host synchronisation) a token id or a table
@@ -38,7 +39,10 @@ def moe_route(logits: torch.Tensor, k: int, *, scale: float, bias: torch.Tensor 
     fill instead of new tensors.
     """
     op = "moe_route"
-    check_tensor(op, "logits", logits, dtypes=(torch.float32, torch.bfloat16), ndim=2)
+    rows_view = (isinstance(logits, torch.Tensor) and logits.dim() == 2
+                 and logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1])
+    check_tensor(op, "logits", logits, dtypes=(torch.float32, torch.bfloat16), ndim=2,
+                 contiguous=not rows_view)
     dev = logits.device
     T, E = logits.shape
     if not 1 <= E <= MOE_ROUTE_MAX_EXPERTS:
@@ -87,7 +91,9 @@ def moe_route(logits: torch.Tensor, k: int, *, scale: float, bias: torch.Tensor 
         check_no_alias(op, {"ids": out[0], "weights": out[1]},
                        {"logits": logits, "bias": bias, "hash_table": hash_table,
                         "input_ids": input_ids})
-    _C.moe_route(use_cuda(dev, op), T, E, k, dtype_code(logits), scale, ptr(logits), ptr(bias),
+    stride = logits.stride(0) if rows_view else E
+    _C.moe_route(use_cuda(dev, op), T, E, k, dtype_code(logits), scale, ptr(logits), stride,
+                 ptr(bias),
                  ptr(hash_table), ptr(input_ids), vocab, ptr(out[0]), ptr(out[1]),
                  stream_of(dev))
     return out
