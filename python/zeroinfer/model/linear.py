@@ -63,7 +63,7 @@ class FusedLinears:
 
     def stacked(self) -> torch.Tensor:
         w, row = self.weight, 0
-        if w is not None:  # (each weight still row `row` on of w: pointer arithmetic, no op)
+        if w is not None:  # is each weight still its rows of w? (pointer arithmetic: no op)
             base, pitch = w.data_ptr(), w.stride(0) * w.element_size()
             for m, n in zip(self.modules, self.sizes):
                 p = m.weight
