@@ -105,18 +105,45 @@ def test_argument_errors(gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES + [(4096, 256, 6)])
 def test_cuda_matches_the_cpu_twin(gen, dtype, shape):
+    """The CUDA kernel chooses as the CPU twin, with the same weights to the last bit - except
+    where exp / log1p's last float bit, which differs between the devices, moves a score across a
+    rounding of its dtype (bf16: ~1 score in 30000). Those few tokens must still hold a valid
+    choice: the top k, descending, with every key within that ulp. And each token's result does
+    not depend on the batch."""
     T, E, k = shape
     logits = (torch.randn(T, E, generator=gen) * 2).to(dtype)
-    logits[0, : E // 2] = logits[0, E // 2: 2 * (E // 2)]  # exact ties in one row
     bias = torch.randn(E, generator=gen) * 0.5
-    bias[: E // 2] = bias[E // 2: 2 * (E // 2)]
     ids, w = moe_route(logits.cuda(), k, scale=1.5, bias=bias.cuda(), out=poisoned(T, k, "cuda"))
+    ids, w = ids.cpu(), w.cpu()
     cpu_ids, cpu_w = moe_route(logits, k, scale=1.5, bias=bias)
-    assert torch.equal(ids.cpu(), cpu_ids)
-    torch.testing.assert_close(w.cpu(), cpu_w, **tol(dtype))
-    full = (ids, w)
+    same = (ids == cpu_ids).all(1)
+    assert same.float().mean() >= 0.99
+    torch.testing.assert_close(w[same], cpu_w[same], **tol(dtype))
+    s = torch.nn.functional.softplus(logits.double()).sqrt()
+    keys = s + bias.double()
+    slack = 2 * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-23) * float(s.max())
+    for t in (~same).nonzero().flatten().tolist():
+        chosen = ids[t].long()
+        others = torch.ones(E, dtype=torch.bool)
+        others[chosen] = False
+        picked = keys[t, chosen]
+        assert (picked[:-1] >= picked[1:] - slack).all()
+        assert not others.any() or picked.min() >= keys[t, others].max() - slack
+    assert ((ids >= 0) & (ids < E)).all() and torch.isfinite(w).all()
     part = moe_route(logits[T // 2:].cuda().contiguous(), k, scale=1.5, bias=bias.cuda())
-    assert torch.equal(part[0], full[0][T // 2:]) and torch.equal(part[1], full[1][T // 2:])
+    assert torch.equal(part[0].cpu(), ids[T // 2:]) and torch.equal(part[1].cpu(), w[T // 2:])
+
+
+@pytest.mark.gpu
+def test_cuda_ties_go_to_the_lower_expert(gen):
+    """Exact ties (logits on a coarse grid: equal logits give equal scores on either device, and
+    unequal ones are far apart): the CPU twin's choices, descending, ties to the lower expert."""
+    logits = torch.randint(-2, 3, (64, 256), generator=gen).float()
+    bias = torch.zeros(256)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        ids, _ = moe_route(x.cuda(), 6, scale=1.0, bias=bias.cuda())
+        assert torch.equal(ids.cpu(), moe_route(x, 6, scale=1.0, bias=bias)[0])
 
 
 @pytest.mark.gpu
