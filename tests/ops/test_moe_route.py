@@ -177,3 +177,15 @@ def test_row_strided_logits_give_their_contiguous_copys_result(gen, device):
     got = moe_route(logits, 6, scale=1.5, bias=bias)
     want = moe_route(logits.contiguous(), 6, scale=1.5, bias=bias)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_nan_logits_rank_first_as_in_torch_topk(gen):
+    """A NaN score ranks above every number (torch.topk's order), and poisons its token's
+    weights, so a broken router output is loud rather than silently routed."""
+    logits = torch.randn(4, 32, generator=gen)
+    logits[1, 7] = float("nan")
+    ids, w = moe_route(logits, 4, scale=1.0, bias=torch.zeros(32))
+    assert int(ids[1, 0]) == 7 and w[1].isnan().all()
+    assert not w[[0, 2, 3]].isnan().any()
+    ref_ids, _ = moe_route_ref(logits, 4, scale=1.0, bias=torch.zeros(32))
+    assert int(ref_ids[1, 0]) == 7
