@@ -54,7 +54,8 @@ void indexer_scores_cpu(const IndexerScoresParams& p) {
            "indexer_scores: bad sizes");
   ZI_CHECK(p.num_entries <= p.table_stride * p.block_size,
            "indexer_scores: more entries than the table covers");
-  indexer_dispatch(p.key_dtype, [&](auto type) {
+  dispatch_float_or_bf16(p.key_dtype, "indexer_scores: keys must be float32 or bfloat16",
+                         [&](auto type) {
     using K = decltype(type);
     parallel_for(p.num_tokens, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> kt(p.dim * kLanes);

@@ -43,7 +43,8 @@ void moe_route_cpu(const MoeRouteParams& p) {
   ZI_CHECK(p.experts >= 1 && p.experts <= kMoeRouteMaxExperts && p.k >= 1 &&
                p.k <= kMoeRouteMaxTopK && (p.table != nullptr || p.k <= p.experts),
            "moe_route: bad sizes");
-  moe_route_dispatch(p.dtype, [&](auto type) {
+  dispatch_float_or_bf16(p.dtype, "moe_route: logits must be float32 or bfloat16",
+                         [&](auto type) {
     using T = decltype(type);
     parallel_for(p.num_tokens, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) route_token<T>(p, t);

@@ -37,7 +37,8 @@ void norm_row(const RmsNormParams& p, const T* x, T* y) {
 
 void rms_norm_cpu(const RmsNormParams& p) {
   ZI_CHECK(p.dim >= 1, "rms_norm: need D >= 1");
-  rms_dispatch(p.dtype, [&](auto type) {
+  dispatch_float_or_bf16(p.dtype, "rms_norm: x must be float32 or bfloat16",
+                         [&](auto type) {
     using T = decltype(type);
     const int64_t grain = std::max<int64_t>(1, 16384 / p.dim);
     parallel_for(p.rows, grain, [&](int64_t begin, int64_t end) {

@@ -354,7 +354,8 @@ void indexer_scores_cuda(const IndexerScoresParams& p, void* stream) {
   ZI_CHECK(p.num_tokens <= 0x7fffffff && tiles <= 65535,
            "indexer_scores: too many tokens or entries for one launch");
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(tiles));
-  indexer_dispatch(p.key_dtype, [&](auto type) {
+  dispatch_float_or_bf16(p.key_dtype, "indexer_scores: keys must be float32 or bfloat16",
+                         [&](auto type) {
     indexer_scores_kernel<decltype(type)>
         <<<grid, kEntries, 0, s>>>(p);
   });

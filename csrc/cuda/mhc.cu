@@ -34,7 +34,6 @@ struct MixesLanes {
 
 template <int N>
 __global__ void __launch_bounds__(kThreads) mhc_mixes_kernel(MhcMixesParams p) {
-  using mhc_detail::exp_f;
   using mhc_detail::sigmoid;
   using L = MixesLanes<N>;
   constexpr int P = L::kPerLane;
@@ -62,6 +61,12 @@ __global__ void __launch_bounds__(kThreads) mhc_mixes_kernel(MhcMixesParams p) {
   const int r0 = P == 1 ? sub / N : sub;
   const int k0 = P == 1 ? sub % N : 0;
   float c[P];
+  const float s_comb = p.scale[2];
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    const int e = 2 * N + r0 * N + k0 + j;
+    c[j] = z[e] * s_comb + p.base[e];
+  }
   // Entry (r, k) of the token's matrix, from the lane that holds it. In the row-a-lane layout
   // the register is k, so k must be a compile-time index there (every caller's loop unrolls).
   auto at = [&](int r, int k) {
@@ -71,12 +76,6 @@ __global__ void __launch_bounds__(kThreads) mhc_mixes_kernel(MhcMixesParams p) {
       return __shfl_sync(kAll, c[k], base + r);
     }
   };
-  const float s_comb = p.scale[2];
-#pragma unroll
-  for (int j = 0; j < P; ++j) {
-    const int e = 2 * N + r0 * N + k0 + j;
-    c[j] = z[e] * s_comb + p.base[e];
-  }
   {  // softmax over the row: max, exp, in-order sum, divide, + eps
     float m = -INFINITY;
 #pragma unroll

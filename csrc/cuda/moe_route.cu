@@ -97,7 +97,8 @@ void moe_route_cuda(const MoeRouteParams& p, void* stream) {
   if (p.num_tokens == 0) return;
   const int64_t blocks = (p.num_tokens + kWarps - 1) / kWarps;
   ZI_CHECK(blocks <= 0x7fffffff, "moe_route: too many tokens for one launch");
-  moe_route_dispatch(p.dtype, [&](auto type) {
+  dispatch_float_or_bf16(p.dtype, "moe_route: logits must be float32 or bfloat16",
+                         [&](auto type) {
     moe_route_kernel<decltype(type)><<<static_cast<unsigned>(blocks), 32 * kWarps, 0,
                                        static_cast<cudaStream_t>(stream)>>>(p);
   });

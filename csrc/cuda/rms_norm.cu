@@ -151,7 +151,8 @@ void rms_norm_cuda(const RmsNormParams& p, void* stream) {
   if (p.rows == 0) return;
   ZI_CHECK(p.rows <= 0x7fffffff, "rms_norm: too many rows for one launch");
   const auto s = static_cast<cudaStream_t>(stream);
-  rms_dispatch(p.dtype, [&](auto type) {
+  dispatch_float_or_bf16(p.dtype, "rms_norm: x must be float32 or bfloat16",
+                         [&](auto type) {
     using T = decltype(type);
     if (p.dim <= kWarpRowMax) {
       auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };

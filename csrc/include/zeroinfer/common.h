@@ -45,3 +45,19 @@ inline const char* dtype_name(DType d) {
   do {                                                                   \
     if (!(cond)) ::zi::fail(__FILE__, __LINE__, std::string(#cond ": ") + (msg)); \
   } while (0)
+
+namespace zi {
+
+// Calls f(T{}) for an array stored as float32 (T = float) or bfloat16 (T = uint16_t, its bits:
+// zeroinfer/numeric.h's to_float / from_float); any other dtype fails with `what`.
+template <class F>
+void dispatch_float_or_bf16(DType dtype, const char* what, F&& f) {
+  if (dtype == DType::kFloat32) {
+    f(float{});
+  } else {
+    ZI_CHECK(dtype == DType::kBFloat16, what);
+    f(uint16_t{});
+  }
+}
+
+}  // namespace zi

@@ -78,17 +78,6 @@ ZI_HD int64_t indexer_key_offset(const IndexerScoresParams& p, int64_t t, int64_
   return (static_cast<int64_t>(block) * p.block_size + s % p.block_size) * p.dim;
 }
 
-// Calls f(K{}) for the keys' storage type (float, or bf16 bits).
-template <class F>
-void indexer_dispatch(DType key_dtype, F&& f) {
-  if (key_dtype == DType::kFloat32) {
-    f(float{});
-  } else {
-    ZI_CHECK(key_dtype == DType::kBFloat16, "indexer_scores: keys must be float32 or bfloat16");
-    f(uint16_t{});
-  }
-}
-
 void indexer_scores_cpu(const IndexerScoresParams& p);
 void indexer_scores_cuda(const IndexerScoresParams& p, void* stream);
 

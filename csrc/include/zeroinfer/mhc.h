@@ -36,21 +36,7 @@ struct MhcMixesParams {
 
 namespace mhc_detail {
 
-ZI_HD float sigmoid(float x) {
-#if defined(__CUDA_ARCH__)
-  return 1.f / (1.f + expf(-x));
-#else
-  return 1.f / (1.f + std::exp(-x));
-#endif
-}
-
-ZI_HD float exp_f(float x) {
-#if defined(__CUDA_ARCH__)
-  return expf(x);
-#else
-  return std::exp(x);
-#endif
-}
+ZI_HD float sigmoid(float x) { return 1.f / (1.f + exp_f(-x)); }
 
 }  // namespace mhc_detail
 
@@ -58,7 +44,6 @@ ZI_HD float exp_f(float x) {
 // (which spreads the matrix over a warp's lanes, cuda/mhc.cu) keeps entry by entry.
 template <int N>
 ZI_HD void mhc_mixes_token(const MhcMixesParams& p, int64_t t) {
-  using mhc_detail::exp_f;
   using mhc_detail::sigmoid;
   constexpr int kWidth = (2 + N) * N;
   const float* z = p.z + t * kWidth;

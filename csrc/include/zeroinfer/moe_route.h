@@ -43,11 +43,7 @@ struct MoeRouteParams {
 template <class T>
 ZI_HD float moe_route_score(T logit) {
   const float x = to_float(logit);
-#if defined(__CUDA_ARCH__)
-  const float sp = x > 20.f ? x : log1pf(expf(x));
-#else
-  const float sp = x > 20.f ? x : std::log1p(std::exp(x));
-#endif
+  const float sp = x > 20.f ? x : log1p_f(exp_f(x));
   return round_to<T>(sqrt_rn(round_to<T>(sp)));
 }
 
@@ -66,17 +62,6 @@ ZI_HD void moe_route_weights(float* s, int k, float scale) {
   for (int j = 0; j < k; ++j) sum = add_rn(sum, s[j]);
   const float denom = round_to<T>(add_rn(round_to<T>(sum), 1e-20f));
   for (int j = 0; j < k; ++j) s[j] = round_to<T>(mul_rn(round_to<T>(div_rn(s[j], denom)), scale));
-}
-
-// Calls f(T{}) for the logits' storage type (float, or bf16 bits).
-template <class F>
-void moe_route_dispatch(DType dtype, F&& f) {
-  if (dtype == DType::kFloat32) {
-    f(float{});
-  } else {
-    ZI_CHECK(dtype == DType::kBFloat16, "moe_route: logits must be float32 or bfloat16");
-    f(uint16_t{});
-  }
 }
 
 void moe_route_cpu(const MoeRouteParams& p);

@@ -99,6 +99,23 @@ ZI_HD float sqrt_rn(float v) {
 #endif
 }
 
+// exp and log1p: the device's and the host's libm (they may differ in the last bit).
+ZI_HD float exp_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+ZI_HD float log1p_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return log1pf(x);
+#else
+  return std::log1p(x);
+#endif
+}
+
 // Storage of the elementwise kernels' arrays: float32, or bf16 as its bits. to_float widens a
 // stored value, from_float<T> narrows a float to T (round to nearest even), round_to<T> is the
 // float that storing in T keeps.

@@ -61,17 +61,6 @@ ZI_HD void rms_apply(const RmsNormParams& p, const T* x, T* y, float r, int64_t 
   }
 }
 
-// Calls f(T{}) for x's storage type (float, or bf16 bits).
-template <class F>
-void rms_dispatch(DType dtype, F&& f) {
-  if (dtype == DType::kFloat32) {
-    f(float{});
-  } else {
-    ZI_CHECK(dtype == DType::kBFloat16, "rms_norm: x must be float32 or bfloat16");
-    f(uint16_t{});
-  }
-}
-
 void rms_norm_cpu(const RmsNormParams& p);
 void rms_norm_cuda(const RmsNormParams& p, void* stream);
 

@@ -122,9 +122,16 @@ class Compressor(nn.Module):
             state.overlap_kv[sl] = ck[..., :w].float()
             state.overlap_gate[sl] = cg[..., :w].float()
             ck, cg = pool_kv, pool_gate
+        return self._entries(ck, cg, starts, rope)
+
+    def _entries(self, ck: torch.Tensor, cg: torch.Tensor, positions: torch.Tensor,
+                 rope: RopeTables) -> torch.Tensor:
+        """Windows' rows ck / cg [n, rows, width] pooled into entries [n, width]: the gate's
+        softmax over the rows weighs the kv, then kv_norm and RoPE at each window's first
+        position (positions [n])."""
         pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
         entries = rms_norm(pooled, self.kv_norm.weight, self.eps)
-        cos, sin = rope.cos_sin("compress", starts, entries.dtype)
+        cos, sin = rope.cos_sin("compress", positions, entries.dtype)
         return apply_rope(entries, cos, sin)
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, context_len: int,
@@ -154,11 +161,8 @@ class Compressor(nn.Module):
             state.overlap_kv[slot] = ck[-1, :, :w].float()
             state.overlap_gate[slot] = cg[-1, :, :w].float()
             ck, cg = pool_kv, pool_gate
-        pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
-        entries = rms_norm(pooled, self.kv_norm.weight, self.eps)
         positions = start + torch.arange(n, device=kv.device) * m
-        cos, sin = rope.cos_sin("compress", positions, entries.dtype)
-        return apply_rope(entries, cos, sin), start // m
+        return self._entries(ck, cg, positions, rope), start // m
 
 
 class IndexerScorer(nn.Module):
