@@ -129,7 +129,13 @@ class Compressor(nn.Module):
         """Windows' rows ck / cg [n, rows, width] pooled into entries [n, width]: the gate's
         softmax over the rows weighs the kv, then kv_norm and RoPE at each window's first
         position (positions [n])."""
-        pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
+        # The softmax runs along the last, contiguous dim (the rows transposed there): torch's
+        # CPU softmax over an inner dim splits the work into vector chunks and a scalar tail
+        # by the tensor's shape and thread count, and the two exp forms differ in the last bit,
+        # so a window's weights would depend on how many windows are pooled together. Along
+        # the last dim each window's row is done alone, the same bits at any n.
+        weights = cg.transpose(1, 2).softmax(dim=-1, dtype=torch.float32).transpose(1, 2)
+        pooled = (ck * weights.to(ck.dtype)).sum(dim=1)
         entries = rms_norm(pooled, self.kv_norm.weight, self.eps)
         cos, sin = rope.cos_sin("compress", positions, entries.dtype)
         return apply_rope(entries, cos, sin)
