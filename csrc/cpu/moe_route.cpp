@@ -1,8 +1,6 @@
 // CPU twin of the MoE router (contract in zeroinfer/moe_route.h): a token at a time, its scores,
 // then k passes picking the best unpicked expert, then the weights. Built with
 // -ffp-contract=off.
-#include <algorithm>
-
 #include "zeroinfer/moe_route.h"
 #include "zeroinfer/parallel.h"
 
@@ -16,7 +14,6 @@ void route_token(const MoeRouteParams& p, int64_t t) {
   float s[kMoeRouteMaxExperts];
   for (int e = 0; e < p.experts; ++e) s[e] = moe_route_score<T>(logits[e]);
   int32_t* ids = p.ids + t * p.k;
-  float w[kMoeRouteMaxTopK];
   if (p.table) {  // (the op checked the token ids and the rows they pick)
     const int64_t* row = p.table + p.input_ids[t] * p.k;
     for (int j = 0; j < p.k; ++j) ids[j] = static_cast<int32_t>(row[j]);
@@ -32,9 +29,11 @@ void route_token(const MoeRouteParams& p, int64_t t) {
       ids[j] = best;
     }
   }
-  for (int j = 0; j < p.k; ++j) w[j] = s[ids[j]];
-  moe_route_weights<T>(w, p.k, p.scale);
-  std::copy(w, w + p.k, p.weights + t * p.k);
+  float sum = 0.f;
+  for (int j = 0; j < p.k; ++j) sum = add_rn(sum, s[ids[j]]);
+  const float denom = moe_route_denom<T>(sum);
+  for (int j = 0; j < p.k; ++j)
+    p.weights[t * p.k + j] = moe_route_weight<T>(s[ids[j]], denom, p.scale);
 }
 
 }  // namespace

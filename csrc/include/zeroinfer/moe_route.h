@@ -55,13 +55,17 @@ ZI_HD bool moe_route_before(float a, int ea, float b, int eb) {
   return a > b || (a == b && ea < eb);
 }
 
-// The weights of a token's k chosen experts from their scores s[j] (slot order), in place.
+// The weights of a token's k chosen experts from their scores s_j (slot order): the scores'
+// sum in slot order makes the denominator, then each weight is its own score's (the CUDA kernel
+// makes weight j on lane j).
 template <class T>
-ZI_HD void moe_route_weights(float* s, int k, float scale) {
-  float sum = 0.f;
-  for (int j = 0; j < k; ++j) sum = add_rn(sum, s[j]);
-  const float denom = round_to<T>(add_rn(round_to<T>(sum), 1e-20f));
-  for (int j = 0; j < k; ++j) s[j] = round_to<T>(mul_rn(round_to<T>(div_rn(s[j], denom)), scale));
+ZI_HD float moe_route_denom(float sum) {
+  return round_to<T>(add_rn(round_to<T>(sum), 1e-20f));
+}
+
+template <class T>
+ZI_HD float moe_route_weight(float s, float denom, float scale) {
+  return round_to<T>(mul_rn(round_to<T>(div_rn(s, denom)), scale));
 }
 
 void moe_route_cpu(const MoeRouteParams& p);
