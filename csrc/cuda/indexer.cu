@@ -157,13 +157,27 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
   if (tile0 >= live1) return;
 
   // Stage loads: row r = tid / 2 of the tile, half of its 16-byte chunks each; rows past what
-  // the token sees, or of an unmapped block, zero-filled (their scores are -inf / NaN).
+  // the token sees, or of an unmapped block, zero-filled (their scores are -inf / NaN). The
+  // row addresses are indexer_key_offset's, with the token's table row found once and a
+  // power-of-two block size (V4's 64) taken by shifts; each row's table entry is read a tile
+  // ahead of its copy (`blk`), so no copy waits on that load.
   const uint16_t* keys = static_cast<const uint16_t*>(p.keys);
-  auto load_tile = [&](int buf, int64_t tile) {
-    const int r = tid >> 1;
-    const int64_t s = tile * kTcEntries + r;
-    const int64_t off = s < visible ? indexer_key_offset(p, t, s) : -1;
-    if ((tid & 1) == 0) bad[buf][r] = s < visible && off < 0;
+  const int64_t seq = indexer_detail::index_at(p, p.seq, t);
+  const bool seq_ok = seq >= 0 && seq < p.num_seqs;
+  const int32_t* table_row = p.table + (seq_ok ? seq : 0) * p.table_stride;
+  const bool pow2 = (p.block_size & (p.block_size - 1)) == 0;
+  const int shift = pow2 ? __ffsll(p.block_size) - 1 : 0;
+  const int r = tid >> 1;
+  auto row_block = [&](int64_t tile) -> int32_t {  // row r's cache block in `tile`, or -1
+    const int64_t e = tile * kTcEntries + r;
+    if (!seq_ok || e >= visible) return -1;
+    return table_row[pow2 ? e >> shift : e / p.block_size];
+  };
+  auto load_tile = [&](int buf, int64_t tile, int32_t blk) {
+    const int64_t e = tile * kTcEntries + r;
+    const int64_t in = pow2 ? e & (p.block_size - 1) : e % p.block_size;
+    const int64_t off = blk < 0 ? -1 : (static_cast<int64_t>(blk) * p.block_size + in) * d;
+    if ((tid & 1) == 0) bad[buf][r] = e < visible && off < 0;
     const uint16_t* src = keys + (off < 0 ? 0 : off);
 #pragma unroll
     for (int ch = (tid & 1) * KS; ch < (tid & 1) * KS + KS; ++ch)  // d / 8 chunks a row
@@ -172,9 +186,10 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
   // The ring's first stages first: their latency then overlaps q's loads below.
 #pragma unroll
   for (int i = 0; i < kTcStages - 1; ++i) {
-    if (tile0 + i < live1) load_tile(i, tile0 + i);
+    if (tile0 + i < live1) load_tile(i, tile0 + i, row_block(tile0 + i));
     cp_async_commit();
   }
+  int32_t blk_next = row_block(tile0 + kTcStages - 1);
 
   // Whether q needs its low half: any element not exact in bf16 (the whole token's q).
   const float* q = p.q + t * p.heads * p.dim;
@@ -236,8 +251,10 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
     const int buf = i % kTcStages;
     cp_async_wait<kTcStages - 2>();
     __syncthreads();  // tile i landed for all; every warp is done with tile i - 1 (and red)
-    if (tile + kTcStages - 1 < live1) load_tile((i + kTcStages - 1) % kTcStages,
-                                                tile + kTcStages - 1);
+    if (tile + kTcStages - 1 < live1) {
+      load_tile((i + kTcStages - 1) % kTcStages, tile + kTcStages - 1, blk_next);
+      blk_next = row_block(tile + kTcStages);
+    }
     cp_async_commit();
     float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // [m-tile][row g / g + 8]: over the groups
     for (int group = 0; group < groups; ++group) {
@@ -248,23 +265,30 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] =
                                            acc[mt][nt][3] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        uint32_t a[2][4];
+      // The A fragments a k-step ahead (two register sets), so each k-step's MMAs find their
+      // ldmatrix done instead of waiting on it.
+      uint32_t a[2][2][4];  // [k-step parity][m-tile]
+      auto load_a = [&](int set, int ks) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
-          ldsm_x4(a_lane + buf * kStageBytes + mt * 16 * kTcPitch * 2 + ks * 32, a[mt][0],
-                  a[mt][1], a[mt][2], a[mt][3]);
+          ldsm_x4(a_lane + buf * kStageBytes + mt * 16 * kTcPitch * 2 + ks * 32, a[set][mt][0],
+                  a[set][mt][1], a[set][mt][2], a[set][mt][3]);
+      };
+      load_a(0, 0);
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        if (ks + 1 < KS) load_a((ks + 1) & 1, ks + 1);
+        const uint32_t(&am)[2][4] = a[ks & 1];
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], a[mt], bq[ks][nt][0], bq[ks][nt][1]);
+          for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], am[mt], bq[ks][nt][0], bq[ks][nt][1]);
           if (need_lo) {
             const uint16_t* lo = &q_lo[hh * 32 + nt * 8 + g][ks * 16 + 2 * c];
             const uint32_t l0 = *reinterpret_cast<const uint32_t*>(lo);
             const uint32_t l1 = *reinterpret_cast<const uint32_t*>(lo + 8);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], a[mt], l0, l1);
+            for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], am[mt], l0, l1);
           }
         }
       }
