@@ -15,6 +15,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "check.cuh"
 #include "launch.cuh"
 #include "ptx.cuh"
@@ -266,31 +268,42 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
         for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] =
                                            acc[mt][nt][3] = 0.f;
       // The A fragments a k-step ahead (two register sets), so each k-step's MMAs find their
-      // ldmatrix done instead of waiting on it.
-      uint32_t a[2][2][4];  // [k-step parity][m-tile]
-      auto load_a = [&](int set, int ks) {
+      // ldmatrix done instead of waiting on it. The low halves' MMAs are a second instance of
+      // the loop rather than a branch inside it, so the warp is provably converged at every
+      // ldmatrix / mma.sync (no WARPSYNC between them).
+      auto mma_tile = [&](auto lo_c) {
+        constexpr bool kLo = decltype(lo_c)::value;
+        uint32_t a[2][2][4];  // [k-step parity][m-tile]
+        auto load_a = [&](int set, int ks) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-          ldsm_x4(a_lane + buf * kStageBytes + mt * 16 * kTcPitch * 2 + ks * 32, a[set][mt][0],
-                  a[set][mt][1], a[set][mt][2], a[set][mt][3]);
-      };
-      load_a(0, 0);
+          for (int mt = 0; mt < 2; ++mt)
+            ldsm_x4(a_lane + buf * kStageBytes + mt * 16 * kTcPitch * 2 + ks * 32,
+                    a[set][mt][0], a[set][mt][1], a[set][mt][2], a[set][mt][3]);
+        };
+        load_a(0, 0);
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        if (ks + 1 < KS) load_a((ks + 1) & 1, ks + 1);
-        const uint32_t(&am)[2][4] = a[ks & 1];
+        for (int ks = 0; ks < KS; ++ks) {
+          if (ks + 1 < KS) load_a((ks + 1) & 1, ks + 1);
+          const uint32_t(&am)[2][4] = a[ks & 1];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+          for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], am[mt], bq[ks][nt][0], bq[ks][nt][1]);
-          if (need_lo) {
-            const uint16_t* lo = &q_lo[hh * 32 + nt * 8 + g][ks * 16 + 2 * c];
-            const uint32_t l0 = *reinterpret_cast<const uint32_t*>(lo);
-            const uint32_t l1 = *reinterpret_cast<const uint32_t*>(lo + 8);
+            for (int mt = 0; mt < 2; ++mt)
+              mma_bf16(acc[mt][nt], am[mt], bq[ks][nt][0], bq[ks][nt][1]);
+            if constexpr (kLo) {
+              const uint16_t* lo = &q_lo[hh * 32 + nt * 8 + g][ks * 16 + 2 * c];
+              const uint32_t l0 = *reinterpret_cast<const uint32_t*>(lo);
+              const uint32_t l1 = *reinterpret_cast<const uint32_t*>(lo + 8);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], am[mt], l0, l1);
+              for (int mt = 0; mt < 2; ++mt) mma_bf16(acc[mt][nt], am[mt], l0, l1);
+            }
           }
         }
+      };
+      if (need_lo) {
+        mma_tile(std::true_type{});
+      } else {
+        mma_tile(std::false_type{});
       }
       // w_h * relu per head, summed in a fixed tree: the thread's 8 heads (n-tiles in order,
       // then its column pair), the 4 lanes of a row, the groups in order; the two head halves
