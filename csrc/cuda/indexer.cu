@@ -196,6 +196,7 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
   // Whether q needs its low half: any element not exact in bf16 (the whole token's q).
   const float* q = p.q + t * p.heads * p.dim;
   const bool q_vec = (reinterpret_cast<uintptr_t>(q) & 7) == 0;
+  const bool q_vec4 = (reinterpret_cast<uintptr_t>(q) & 15) == 0;
   auto exact = [](float2 v) {
     return __bfloat162float(__float2bfloat16_rn(v.x)) == v.x &&
            __bfloat162float(__float2bfloat16_rn(v.y)) == v.y;
@@ -212,7 +213,45 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
   bool inexact = false;
   auto load_q = [&](int group) {
     const int64_t hb = head_base(group);
-    if (groups > 1) __syncthreads();  // every warp is done with the last group's low halves
+    // q's group, coalesced: 16 bytes a load, all of a thread's loads in flight together (one
+    // trip to L2 for the CTA instead of one a fragment batch), its bf16 high halves staged in
+    // q_lo's rows, the warps' B fragments read back by ldmatrix, then the low halves written
+    // over them. (Rows of heads past H hold zeros.)
+    __syncthreads();  // every warp is done with q_lo (the last group's low halves, or nothing)
+    constexpr int kVecs = kTcHeads * d / 4 / kTcThreads;  // float4s a thread: d / 8
+    constexpr int kBatch = kVecs < 8 ? kVecs : 8;          // in flight together
+    // Float4 i of this thread: head hl of the group, channels k .. k + 3.
+    auto vec_at = [&](int i, int& hl, int& k) -> float4 {
+      const int f = tid + i * kTcThreads;
+      hl = f / (d / 4);
+      k = (f % (d / 4)) * 4;
+      const int64_t h = static_cast<int64_t>(group) * kTcHeads + hl;
+      const float* src = q + h * d + k;
+      return h >= p.heads ? make_float4(0.f, 0.f, 0.f, 0.f)
+             : q_vec4   ? *reinterpret_cast<const float4*>(src)
+                        : make_float4(src[0], src[1], src[2], src[3]);
+    };
+    // word(x0, x1): the hi or lo words of a float4, stored at q_lo[hl][k]
+    auto stage = [&](bool low) {
+#pragma unroll 1
+      for (int i0 = 0; i0 < kVecs; i0 += kBatch) {
+        float4 v[kBatch];
+        int hl[kBatch], k[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) v[i] = vec_at(i0 + i, hl[i], k[i]);
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          const float2 x0 = make_float2(v[i].x, v[i].y), x1 = make_float2(v[i].z, v[i].w);
+          if (!low) inexact |= !exact(x0) || !exact(x1);
+          *reinterpret_cast<uint2*>(&q_lo[hl[i]][k[i]]) =
+              low ? make_uint2(lo_word(x0), lo_word(x1)) : make_uint2(hi_word(x0), hi_word(x1));
+        }
+      }
+    };
+    stage(false);
+    __syncthreads();
+    // ldmatrix: lane l gives head row hh * 32 + nt * 8 + l % 8 at channels ks * 16 + (l / 8) * 8:
+    // matrices b0, b1 of k-step ks and b0, b1 of ks + 1 (past d: the row's padding, unused).
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -220,19 +259,21 @@ __global__ void __launch_bounds__(kTcThreads) indexer_scores_tc_kernel(IndexerSc
         const int64_t h = hb + nt * 8 + 2 * c + e;
         wt[nt][e] = h < p.heads ? p.weights[t * p.heads + h] : 0.f;
       }
-      const int64_t h = hb + nt * 8 + g;
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int i = ks * 16 + j * 8 + 2 * c;
-          const float2 x = q_pair(q, h < p.heads, h * d + i, q_vec);
-          bq[ks][nt][j] = hi_word(x);
-          inexact |= !exact(x);
-          if (eh == 0) *reinterpret_cast<uint32_t*>(&q_lo[hh * 32 + nt * 8 + g][i]) = lo_word(x);
+      for (int ks = 0; ks < KS; ks += 2) {
+        uint32_t r0, r1, r2, r3;
+        ldsm_x4(smem_u32(&q_lo[hh * 32 + nt * 8 + (lane & 7)][ks * 16 + (lane >> 3) * 8]), r0, r1,
+                r2, r3);
+        bq[ks][nt][0] = r0;
+        bq[ks][nt][1] = r1;
+        if (ks + 1 < KS) {
+          bq[ks + 1][nt][0] = r2;
+          bq[ks + 1][nt][1] = r3;
         }
       }
     }
+    __syncthreads();  // every warp has its high halves: the low halves go over them (q again,
+    stage(true);      // from L1 / L2: registers for them would cost every call occupancy)
     if (groups > 1) __syncthreads();  // (one group: the tile loop's barrier comes first)
   };
   // Whether q needs its low halves: any element not exact in bf16 (the whole token's q: one
