@@ -50,3 +50,16 @@ def single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(params=[None, 16], ids=["threads-default", "threads-16"])
+def torch_threads(request):
+    """The test at the machine's thread count and again at 16 threads (the GPU machines' hosts):
+    torch splits some CPU kernels by shape and thread count, and the last bits can follow (the
+    compressors' softmax over an inner dim did: exact on CI's 2 cores, not on 16). Tests of
+    bitwise invariance take it."""
+    n = torch.get_num_threads()
+    if request.param is not None:
+        torch.set_num_threads(request.param)
+    yield
+    torch.set_num_threads(n)

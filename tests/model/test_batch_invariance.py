@@ -3,12 +3,14 @@ its batch, nor on how its prompt was chunked. The engine's async == sync guarant
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zeroinfer import ops
 from zeroinfer.model import load
 
 
+@pytest.mark.usefixtures("torch_threads")
 def test_logits_independent_of_batch_and_chunking(gen):
     m = load("dummy:tiny-yarn", seed=11)
     V = m.config.vocab_size

@@ -32,17 +32,7 @@ def random_state(gen, comp, slots):
     return state
 
 
-@pytest.fixture
-def many_threads():
-    """16 CPU threads, as on the GPU machines' hosts: torch splits some CPU kernels by the
-    thread count (the compressor's softmax once differed in the last bit there, not on 2)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(16)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.mark.usefixtures("many_threads")
+@pytest.mark.usefixtures("torch_threads")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rate,overlap", [(4, True), (8, False), (2, True)])
 def test_pooled_together_equals_pooled_alone(gen, dtype, rate, overlap):
