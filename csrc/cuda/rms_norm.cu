@@ -129,10 +129,11 @@ __global__ void __launch_bounds__(32 * kRowsPerCta) rms_norm_warp_kernel(RmsNorm
 
 // The CTA kernel's loads, kBatch a thread at a time, all issued before their first use: in a
 // plain loop the compiler waited on each, a trip to memory an element (one 4096-wide row took
-// 8.8 us on the H100, 3.8 with batches of 8; 16 is a 4096-wide row's whole share a thread).
-constexpr int kBatch = 16;
-
-template <class T>
+// 8.8 us on the H100, 3.8 with batches of 8, 2.9 with 16 - its whole share a thread). Longer
+// rows take batches of 32 (the mHC's 4 x 4096 float32 rows: two trips instead of four; 80
+// registers, 3 CTAs an SM for the many-row case - 64 would take 170, one CTA an SM). Not yet
+// measured (session 39 compiled it after its last GPU call).
+template <class T, int kBatch>
 __global__ void __launch_bounds__(kRmsNormLanes) rms_norm_kernel(RmsNormParams p) {
   __shared__ float lanes[kRmsNormLanes];
   const int64_t row = blockIdx.x;
@@ -197,7 +198,14 @@ void rms_norm_cuda(const RmsNormParams& p, void* stream) {
       const int64_t blocks = (p.rows + kRowsPerCta - 1) / kRowsPerCta;
       rms_norm_warp_kernel<T><<<static_cast<unsigned>(blocks), 32 * kRowsPerCta, 0, s>>>(p, vec);
     } else {
-      rms_norm_kernel<T><<<static_cast<unsigned>(p.rows), kRmsNormLanes, 0, s>>>(p);
+      const auto grid = static_cast<unsigned>(p.rows);
+      const int64_t share = (p.dim + kRmsNormLanes - 1) / kRmsNormLanes;  // elements a thread
+      // (a batch only where a thread has that many: the rest goes one load at a time)
+      if (share < 32) {
+        rms_norm_kernel<T, 16><<<grid, kRmsNormLanes, 0, s>>>(p);
+      } else {
+        rms_norm_kernel<T, 32><<<grid, kRmsNormLanes, 0, s>>>(p);
+      }
     }
   });
   ZI_CUDA_CHECK_LAUNCH("rms_norm");

@@ -10,9 +10,10 @@ import torch
 from zeroinfer.ops import rms_norm, rms_norm_ref
 from zeroinfer.testing.torch_forms import torch_rms_norm, torch_rms_norm_unweighted
 
-# (.., D): warp rows (D <= 1024) and CTA rows (longer), these with and without a tail past
-# the kernel's batches of 16 loads a thread (5000)
-SHAPES = [(1, 64), (5, 3, 512), (37, 4096), (3, 300), (16, 1), (2, 16384), (4, 257), (3, 5000)]
+# (.., D): warp rows (D <= 1024) and CTA rows (longer), these in whole batches of loads (16 a
+# thread: 4096; 32: 16384) and with a tail past them (5000, 9000)
+SHAPES = [(1, 64), (5, 3, 512), (37, 4096), (3, 300), (16, 1), (2, 16384), (4, 257), (3, 5000),
+          (2, 9000)]
 
 
 def inputs(gen, shape, dtype):
