@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from zeroinfer.model.attention import Compressor
+from zeroinfer.model.attention import Compressor, OneWindowEach
 from zeroinfer.model.cache import CompressorState
 from zeroinfer.model.dummy import dummy_config
 from zeroinfer.model.rope import RopeTables
@@ -56,7 +56,8 @@ def test_pooled_together_equals_pooled_alone(gen, dtype, rate, overlap):
         lo += new[i]
     state = random_state(gen, comp, 12)
     alone_state = copy.deepcopy(state)
-    together = comp._pool_one_each(kv_all, gate_all, group, state, rope)
+    together = comp._pool_one_each(kv_all, gate_all, OneWindowEach(group, rate, kv_all.device),
+                                   state, rope)
     assert together.shape == (k, comp.width) and together.dtype == dtype
     for g, (i, lo, h, start, slot) in enumerate(group):
         entries, first = comp._pool(kv_all[lo:lo + rate - h], gate_all[lo:lo + rate - h],

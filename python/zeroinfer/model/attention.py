@@ -33,6 +33,76 @@ def dense(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
     return Linear(in_f, out_f, dtype)
 
 
+class OneWindowEach:
+    """Sequences whose new tokens close exactly one window each (a decode step's closing
+    case), as the index tensors that pool them together (Compressor._pool_one_each): row j of
+    sequence g's window is its buffered token j (j < held) or its new token lo + j - held.
+    group: (sequence, first new token's row in the step's tokens, tokens held, the window's
+    first position, state slot) per sequence."""
+
+    def __init__(self, group: list[tuple], rate: int, device: torch.device) -> None:
+        m, k = rate, len(group)
+        self.seqs = [i for i, *_ in group]
+        self.index = [start // m for _, _, _, start, _ in group]
+        self.from_buf = host_tensor([j < held for _, _, held, _, _ in group for j in range(m)],
+                                    device, torch.bool).view(k, m, 1)
+        self.rows = host_tensor([max(lo + j - held, 0) for _, lo, held, _, _ in group
+                                 for j in range(m)], device).view(k, m)
+        self.slots = host_tensor([slot for *_, slot in group], device)
+        # A complete window precedes (CSA: its saved Ca half joins this window's pool).
+        self.after_first = host_tensor([start >= m for _, _, _, start, _ in group], device,
+                                       torch.bool).view(k, 1, 1)
+        self.starts = host_tensor([start for _, _, _, start, _ in group], device)
+        self._cos_sin: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, rope: RopeTables, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compress table at the windows' first positions, made once for every layer."""
+        if dtype not in self._cos_sin:
+            self._cos_sin[dtype] = rope.cos_sin("compress", self.starts, dtype)
+        return self._cos_sin[dtype]
+
+
+class CompressPlan:
+    """How a step's tokens meet a compressor of rate m, the same for every compressor of that
+    rate (so made once a step, ForwardBatch.derived): sequences whose tokens leave their window
+    open (`buffered`: token rows, state slots and offsets into the buffer, or None), those that
+    close exactly one (`one`, a OneWindowEach, or None), and those that close several
+    (`several`: (sequence, rows lo:hi, context length, slot), pooled one by one). `buffered`'s
+    token rows are None where they are every token of the step. `seqs` /
+    `index`: each new entry's sequence and entry index, in the order compress_batch returns
+    them (`several`'s, then `one`'s)."""
+
+    def __init__(self, batch: ForwardBatch, rate: int, device: torch.device) -> None:
+        m, cu = rate, batch.cu_seqlens
+        tokens, slots, offsets, one = [], [], [], []
+        self.several: list[tuple[int, int, int, int, int]] = []
+        self.seqs: list[int] = []
+        self.index: list[int] = []
+        for i in range(batch.num_seqs):
+            lo, hi, ctx, slot = cu[i], cu[i + 1], batch.context_lens[i], batch.state_slots[i]
+            held = ctx % m
+            if held + hi - lo < m:  # no window closes: the tokens join the buffer
+                tokens += range(lo, hi)
+                slots += [slot] * (hi - lo)
+                offsets += range(held, held + hi - lo)
+            elif held + hi - lo == m:
+                one.append((i, lo, held, ctx - held, slot))
+            else:
+                self.several.append((i, lo, hi, ctx, slot))
+                n, first = (held + hi - lo) // m, (ctx - held) // m
+                self.seqs += [i] * n
+                self.index += range(first, first + n)
+        self.one = OneWindowEach(one, m, device) if one else None
+        if self.one is not None:
+            self.seqs += self.one.seqs
+            self.index += self.one.index
+        self.buffered = None
+        if tokens:
+            every = len(tokens) == cu[-1]  # then tokens == 0 .. T - 1, and no gather is needed
+            self.buffered = (None if every else host_tensor(tokens, device),
+                             host_tensor(slots, device), host_tensor(offsets, device))
+
+
 class Compressor(nn.Module):
     """Pools every `rate` tokens of one sequence into one entry of width `width`.
 
@@ -56,79 +126,61 @@ class Compressor(nn.Module):
                        state: CompressorState, rope: RopeTables,
                        ) -> tuple[list[int], list[int], torch.Tensor | None]:
         """Every sequence's new tokens' projections kv_all / gate_all [T, series * width] (batch
-        order; kv_proj / gate_proj of the layer input, made by the attention's one GEMM): the tokens of windows that stay open buffered by one indexed write for the whole batch
-        (a decode step's common case: one token, rate 4 or 128), the sequences whose new tokens
+        order; kv_proj / gate_proj of the layer input, made by the attention's one GEMM): the
+        tokens of windows that stay open buffered by one indexed write for the whole batch (a
+        decode step's common case: one token, rate 4 or 128), the sequences whose new tokens
         close exactly one window (the other decode case) pooled together, and those closing
         several (prefill) one by one. Returns the new entries [N, width] with each one's
         sequence and entry index (lists of N), entries None if there are none, and updates the
-        state."""
-        m, cu = self.rate, batch.cu_seqlens
-        tokens, slots, offsets, one = [], [], [], []
-        seqs, index, pieces = [], [], []
-        for i in range(batch.num_seqs):
-            lo, hi, ctx, slot = cu[i], cu[i + 1], batch.context_lens[i], batch.state_slots[i]
-            held = ctx % m
-            if held + hi - lo < m:  # no window closes: the tokens join the buffer
-                tokens += range(lo, hi)
-                slots += [slot] * (hi - lo)
-                offsets += range(held, held + hi - lo)
-            elif held + hi - lo == m:
-                one.append((i, lo, held, ctx - held, slot))
-            else:
-                entries, first = self._pool(kv_all[lo:hi], gate_all[lo:hi], ctx, state, slot,
-                                            rope)
-                seqs += [i] * entries.shape[0]
-                index += range(first, first + entries.shape[0])
-                pieces.append(entries)
-        if one:
-            pieces.append(self._pool_one_each(kv_all, gate_all, one, state, rope))
-            seqs += [i for i, *_ in one]
-            index += [start // m for _, _, _, start, _ in one]
-        if tokens:
-            tok, sl, off = (host_tensor(v, kv_all.device) for v in (tokens, slots, offsets))
-            state.buf_kv[sl, off] = kv_all[tok].float()
-            state.buf_gate[sl, off] = gate_all[tok].float()
+        state. The plan (which sequence goes which way, as index tensors) is the batch's and
+        the rate's alone, so every compressor of this rate in the step shares one."""
+        plan = batch.derived(("compress_plan", self.rate),
+                             lambda: CompressPlan(batch, self.rate, kv_all.device))
+        pieces = []
+        for _, lo, hi, ctx, slot in plan.several:
+            entries, _ = self._pool(kv_all[lo:hi], gate_all[lo:hi], ctx, state, slot, rope)
+            pieces.append(entries)
+        if plan.one is not None:
+            pieces.append(self._pool_one_each(kv_all, gate_all, plan.one, state, rope))
+        if plan.buffered is not None:
+            tok, sl, off = plan.buffered
+            if tok is not None:  # (None: every token of the step, in order)
+                kv_all, gate_all = kv_all[tok], gate_all[tok]
+            state.buf_kv[sl, off] = kv_all.float()
+            state.buf_gate[sl, off] = gate_all.float()
         entries = None if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return seqs, index, entries
+        return plan.seqs, plan.index, entries
 
-    def _pool_one_each(self, kv_all: torch.Tensor, gate_all: torch.Tensor, group: list[tuple],
+    def _pool_one_each(self, kv_all: torch.Tensor, gate_all: torch.Tensor, group: OneWindowEach,
                        state: CompressorState, rope: RopeTables) -> torch.Tensor:
         """_pool for sequences whose new tokens complete exactly one window each, all at once
         (entries [k, width] in group order): the same operations on a leading dim of k instead
-        of 1, so the same bits (tests/model/test_batch_invariance.py). group: (sequence, first
-        new token's row in kv_all / gate_all, tokens held, the window's first position, state
-        slot) per sequence."""
-        m, w, dev = self.rate, self.width, kv_all.device
-        k = len(group)
-        # Row j of sequence g's window: its held token j (j < held), else new token lo + j - held.
-        held_row = [j < held for _, _, held, _, _ in group for j in range(m)]
-        new_row = [max(lo + j - held, 0) for _, lo, held, _, _ in group for j in range(m)]
-        from_buf = host_tensor(held_row, dev, torch.bool).view(k, m, 1)
-        tok = host_tensor(new_row, dev).view(k, m)
-        sl = host_tensor([slot for *_, slot in group], dev)
-        starts = host_tensor([start for _, _, _, start, _ in group], dev)
-        ck = torch.where(from_buf, state.buf_kv[sl].to(kv_all.dtype), kv_all[tok])
-        cg = torch.where(from_buf, state.buf_gate[sl].to(gate_all.dtype), gate_all[tok])
+        of 1, so the same bits (tests/model/test_compressor.py)."""
+        m, w = self.rate, self.width
+        k, sl = group.slots.shape[0], group.slots
+        ck = torch.where(group.from_buf, state.buf_kv[sl].to(kv_all.dtype), kv_all[group.rows])
+        cg = torch.where(group.from_buf, state.buf_gate[sl].to(gate_all.dtype),
+                         gate_all[group.rows])
         cg = cg + self.position_bias
         if self.overlap:
             pool_kv = ck.new_zeros(k, 2 * m, w)
             pool_gate = cg.new_full((k, 2 * m, w), float("-inf"))
             pool_kv[:, m:], pool_gate[:, m:] = ck[..., w:], cg[..., w:]
             # A complete window precedes (start >= m): its saved Ca half fills the first m rows.
-            prev = (starts >= m).view(k, 1, 1)
+            prev = group.after_first
             pool_kv[:, :m] = torch.where(prev, state.overlap_kv[sl].to(ck.dtype), pool_kv[:, :m])
             pool_gate[:, :m] = torch.where(prev, state.overlap_gate[sl].to(cg.dtype),
                                            pool_gate[:, :m])
             state.overlap_kv[sl] = ck[..., :w].float()
             state.overlap_gate[sl] = cg[..., :w].float()
             ck, cg = pool_kv, pool_gate
-        return self._entries(ck, cg, starts, rope)
+        return self._entries(ck, cg, group.cos_sin(rope, ck.dtype))
 
-    def _entries(self, ck: torch.Tensor, cg: torch.Tensor, positions: torch.Tensor,
-                 rope: RopeTables) -> torch.Tensor:
+    def _entries(self, ck: torch.Tensor, cg: torch.Tensor,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Windows' rows ck / cg [n, rows, width] pooled into entries [n, width]: the gate's
         softmax over the rows weighs the kv, then kv_norm and RoPE at each window's first
-        position (positions [n])."""
+        position (cos_sin: the compress table there, [n, r / 2] each)."""
         # The softmax runs along the last, contiguous dim (the rows transposed there): torch's
         # CPU softmax over an inner dim splits the work into vector chunks and a scalar tail
         # by the tensor's shape and thread count, and the two exp forms differ in the last bit,
@@ -137,8 +189,7 @@ class Compressor(nn.Module):
         weights = cg.transpose(1, 2).softmax(dim=-1, dtype=torch.float32).transpose(1, 2)
         pooled = (ck * weights.to(ck.dtype)).sum(dim=1)
         entries = rms_norm(pooled, self.kv_norm.weight, self.eps)
-        cos, sin = rope.cos_sin("compress", positions, entries.dtype)
-        return apply_rope(entries, cos, sin)
+        return apply_rope(entries, *cos_sin)
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, context_len: int,
               state: CompressorState, slot: int, rope: RopeTables) -> tuple[torch.Tensor, int]:
@@ -168,7 +219,7 @@ class Compressor(nn.Module):
             state.overlap_gate[slot] = cg[-1, :, :w].float()
             ck, cg = pool_kv, pool_gate
         positions = start + torch.arange(n, device=kv.device) * m
-        return self._entries(ck, cg, positions, rope), start // m
+        return self._entries(ck, cg, rope.cos_sin("compress", positions, ck.dtype)), start // m
 
 
 class IndexerScorer(nn.Module):
@@ -338,7 +389,8 @@ class Attention(nn.Module):
             seqs, index, entries = compressor.compress_batch(kv_all, gate_all, batch, state, rope)
             if entries is not None:  # one indexed write for every new entry of the batch
                 dev = pool.device
-                at = slots_of(tables, host_tensor(seqs, dev), host_tensor(index, dev), Bc)
+                at = batch.derived(("compress_slots", m, csa, Bc), lambda: slots_of(
+                    tables, host_tensor(seqs, dev), host_tensor(index, dev), Bc))
                 pool.view(-1, pool.shape[-1])[at] = entries.to(pool.dtype)
 
         store(cache.comp, comp, cache.state["compressor"], proj[0], proj[1])
