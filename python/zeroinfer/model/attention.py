@@ -64,13 +64,15 @@ class OneWindowEach:
 
 class CompressPlan:
     """How a step's tokens meet a compressor of rate m, the same for every compressor of that
-    rate (so made once a step, ForwardBatch.derived): sequences whose tokens leave their window
-    open (`buffered`: token rows, state slots and offsets into the buffer, or None), those that
-    close exactly one (`one`, a OneWindowEach, or None), and those that close several
-    (`several`: (sequence, rows lo:hi, context length, slot), pooled one by one). `buffered`'s
-    token rows are None where they are every token of the step. `seqs` /
-    `index`: each new entry's sequence and entry index, in the order compress_batch returns
-    them (`several`'s, then `one`'s)."""
+    rate (so made once a step, ForwardBatch.derived):
+      buffered  the tokens of windows that stay open: (token rows, or None where that is every
+                token of the step; state slots; offsets into the buffer), or None
+      one       the sequences whose new tokens close exactly one window (a OneWindowEach), or
+                None
+      several   those closing several: (sequence, rows lo:hi, context length, slot) each, pooled
+                one by one
+      seqs / index  each new entry's sequence and entry index, in the order compress_batch
+                returns the entries (`several`'s, then `one`'s)."""
 
     def __init__(self, batch: ForwardBatch, rate: int, device: torch.device) -> None:
         m, cu = rate, batch.cu_seqlens
