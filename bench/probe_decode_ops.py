@@ -17,8 +17,9 @@ and rope_rotate (session 36), 637 / 637 / 526 with indexer_scores, rms_norm and 
 derived tensors (session 37) - all of a round where no window closes. Over a CSA window's
 rounds (session 38): 700 / 1204 / 2821 a round (the closing one 889 / 2905 / 9706: each closing
 sequence pooled alone), 694 / 694 / 583 (865 / 865 / 754) with the closing sequences pooled
-together, 600 / 600 / 533 with moe_route and FusedLinears, 566 / 566 / 499 (698 / 698 / 631)
-with the compressors' per-step plan shared by every compressor of a rate (session 39).
+together, 600 / 600 / 533 with moe_route and FusedLinears, 567 / 567 / 500 (703 / 703 / 636)
+with the compressors' per-step plan shared by every compressor of a rate and every closing window
+pooled at once (session 39).
 """
 
 from __future__ import annotations

@@ -33,26 +33,44 @@ def dense(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
     return Linear(in_f, out_f, dtype)
 
 
-class OneWindowEach:
-    """Sequences whose new tokens close exactly one window each (a decode step's closing
-    case), as the index tensors that pool them together (Compressor._pool_one_each): row j of
-    sequence g's window is its buffered token j (j < held) or its new token lo + j - held.
-    group: (sequence, first new token's row in the step's tokens, tokens held, the window's
-    first position, state slot) per sequence."""
+class ClosingWindows:
+    """A step's windows that close, of every sequence, as the index tensors that pool them all
+    at once (Compressor._pool_windows). A sequence's rows are its buffered tokens (the first
+    `held`) then its new tokens; window w of it covers rows w * m .. w * m + m - 1. group:
+    (sequence, first new token's row in the step's tokens, new tokens, tokens held, state slot,
+    the first window's position) per sequence that closes at least one window."""
 
     def __init__(self, group: list[tuple], rate: int, device: torch.device) -> None:
-        m, k = rate, len(group)
-        self.seqs = [i for i, *_ in group]
-        self.index = [start // m for _, _, _, start, _ in group]
-        self.from_buf = host_tensor([j < held for _, _, held, _, _ in group for j in range(m)],
-                                    device, torch.bool).view(k, m, 1)
-        self.rows = host_tensor([max(lo + j - held, 0) for _, lo, held, _, _ in group
-                                 for j in range(m)], device).view(k, m)
-        self.slots = host_tensor([slot for *_, slot in group], device)
-        # A complete window precedes (CSA: its saved Ca half joins this window's pool).
-        self.after_first = host_tensor([start >= m for _, _, _, start, _ in group], device,
-                                       torch.bool).view(k, 1, 1)
-        self.starts = host_tensor([start for _, _, _, start, _ in group], device)
+        m = rate
+        self.seqs: list[int] = []   # each window's sequence, entry index and position
+        self.index: list[int] = []
+        starts, slots, from_buf, rows, prev, first_after = [], [], [], [], [], []
+        last, last_slots = [], []   # each sequence's last window and its slot
+        for i, lo, new, held, slot, start in group:
+            n = (held + new) // m
+            for w in range(n):
+                self.seqs.append(i)
+                self.index.append(start // m + w)
+                starts.append(start + w * m)
+                slots.append(slot)
+                from_buf += [w * m + j < held for j in range(m)]
+                rows += [max(lo + w * m + j - held, 0) for j in range(m)]
+                # CSA: the Ca half of the window before: this step's (prev), or the state's
+                # where a complete window precedes the step (first_after), else none.
+                prev.append(len(starts) - 2 if w else -1)
+                first_after.append(w == 0 and start >= m)
+            last.append(len(starts) - 1)
+            last_slots.append(slot)
+        k = len(starts)
+        self.slots = host_tensor(slots, device)
+        self.from_buf = host_tensor(from_buf, device, torch.bool).view(k, m, 1)
+        self.rows = host_tensor(rows, device).view(k, m)
+        self.prev = host_tensor([max(p, 0) for p in prev], device)
+        self.has_prev = host_tensor([p >= 0 for p in prev], device, torch.bool).view(k, 1, 1)
+        self.first_after = host_tensor(first_after, device, torch.bool).view(k, 1, 1)
+        self.last = host_tensor(last, device)
+        self.last_slots = host_tensor(last_slots, device)
+        self.starts = host_tensor(starts, device)
         self._cos_sin: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, rope: RopeTables, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,39 +83,28 @@ class OneWindowEach:
 class CompressPlan:
     """How a step's tokens meet a compressor of rate m, the same for every compressor of that
     rate (so made once a step, ForwardBatch.derived):
-      buffered  the tokens of windows that stay open: (token rows, or None where that is every
-                token of the step; state slots; offsets into the buffer), or None
-      one       the sequences whose new tokens close exactly one window (a OneWindowEach), or
-                None
-      several   those closing several: (sequence, rows lo:hi, context length, slot) each, pooled
-                one by one
-      seqs / index  each new entry's sequence and entry index, in the order compress_batch
-                returns the entries (`several`'s, then `one`'s)."""
+      windows   the windows that close, of every sequence (a ClosingWindows), or None
+      buffered  the tokens left in open windows, to the state's buffer: (token rows, or None
+                where that is every token of the step; state slots; offsets), or None
+      seqs / index  each new entry's sequence and entry index (the windows' order)."""
 
     def __init__(self, batch: ForwardBatch, rate: int, device: torch.device) -> None:
         m, cu = rate, batch.cu_seqlens
-        tokens, slots, offsets, one = [], [], [], []
-        self.several: list[tuple[int, int, int, int, int]] = []
-        self.seqs: list[int] = []
-        self.index: list[int] = []
+        tokens, slots, offsets, closing = [], [], [], []
         for i in range(batch.num_seqs):
             lo, hi, ctx, slot = cu[i], cu[i + 1], batch.context_lens[i], batch.state_slots[i]
             held = ctx % m
-            if held + hi - lo < m:  # no window closes: the tokens join the buffer
-                tokens += range(lo, hi)
-                slots += [slot] * (hi - lo)
-                offsets += range(held, held + hi - lo)
-            elif held + hi - lo == m:
-                one.append((i, lo, held, ctx - held, slot))
-            else:
-                self.several.append((i, lo, hi, ctx, slot))
-                n, first = (held + hi - lo) // m, (ctx - held) // m
-                self.seqs += [i] * n
-                self.index += range(first, first + n)
-        self.one = OneWindowEach(one, m, device) if one else None
-        if self.one is not None:
-            self.seqs += self.one.seqs
-            self.index += self.one.index
+            n = (held + hi - lo) // m  # windows this step closes
+            if n:
+                closing.append((i, lo, hi - lo, held, slot, ctx - held))
+            # the tokens past the last closed window start (or go on filling) the buffer
+            keep = lo if not n else lo + n * m - held
+            tokens += range(keep, hi)
+            slots += [slot] * (hi - keep)
+            offsets += range(held if not n else 0, (held if not n else 0) + hi - keep)
+        self.windows = ClosingWindows(closing, m, device) if closing else None
+        self.seqs = self.windows.seqs if closing else []
+        self.index = self.windows.index if closing else []
         self.buffered = None
         if tokens:
             every = len(tokens) == cu[-1]  # then tokens == 0 .. T - 1, and no gather is needed
@@ -128,55 +135,51 @@ class Compressor(nn.Module):
                        state: CompressorState, rope: RopeTables,
                        ) -> tuple[list[int], list[int], torch.Tensor | None]:
         """Every sequence's new tokens' projections kv_all / gate_all [T, series * width] (batch
-        order; kv_proj / gate_proj of the layer input, made by the attention's one GEMM): the
-        tokens of windows that stay open buffered by one indexed write for the whole batch (a
-        decode step's common case: one token, rate 4 or 128), the sequences whose new tokens
-        close exactly one window (the other decode case) pooled together, and those closing
-        several (prefill) one by one. Returns the new entries [N, width] with each one's
-        sequence and entry index (lists of N), entries None if there are none, and updates the
-        state. The plan (which sequence goes which way, as index tensors) is the batch's and
-        the rate's alone, so every compressor of this rate in the step shares one."""
+        order; kv_proj / gate_proj of the layer input, made by the attention's one GEMM): every
+        window that closes, of every sequence, pooled at once, and the tokens of windows left
+        open written to the state's buffer by one indexed write. Returns the new entries
+        [N, width] with each one's sequence and entry index (lists of N), entries None if there
+        are none, and updates the state. The plan (which token goes where, as index tensors) is
+        the batch's and the rate's alone, so every compressor of this rate in the step shares
+        one."""
         plan = batch.derived(("compress_plan", self.rate),
                              lambda: CompressPlan(batch, self.rate, kv_all.device))
-        pieces = []
-        for _, lo, hi, ctx, slot in plan.several:
-            entries, _ = self._pool(kv_all[lo:hi], gate_all[lo:hi], ctx, state, slot, rope)
-            pieces.append(entries)
-        if plan.one is not None:
-            pieces.append(self._pool_one_each(kv_all, gate_all, plan.one, state, rope))
+        entries = None
+        if plan.windows is not None:  # (reads the buffer before the write below)
+            entries = self._pool_windows(kv_all, gate_all, plan.windows, state, rope)
         if plan.buffered is not None:
             tok, sl, off = plan.buffered
             if tok is not None:  # (None: every token of the step, in order)
                 kv_all, gate_all = kv_all[tok], gate_all[tok]
             state.buf_kv[sl, off] = kv_all.float()
             state.buf_gate[sl, off] = gate_all.float()
-        entries = None if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return plan.seqs, plan.index, entries
 
-    def _pool_one_each(self, kv_all: torch.Tensor, gate_all: torch.Tensor, group: OneWindowEach,
-                       state: CompressorState, rope: RopeTables) -> torch.Tensor:
-        """_pool for sequences whose new tokens complete exactly one window each, all at once
-        (entries [k, width] in group order): the same operations on a leading dim of k instead
-        of 1, so the same bits (tests/model/test_compressor.py)."""
+    def _pool_windows(self, kv_all: torch.Tensor, gate_all: torch.Tensor, wins: ClosingWindows,
+                      state: CompressorState, rope: RopeTables) -> torch.Tensor:
+        """Entries [k, width] of the closing windows (in wins' order), all at once; each
+        window's operations are its own, so its bits do not depend on the others
+        (tests/model/test_compressor.py). CSA's state keeps each sequence's last Ca half."""
         m, w = self.rate, self.width
-        k, sl = group.slots.shape[0], group.slots
-        ck = torch.where(group.from_buf, state.buf_kv[sl].to(kv_all.dtype), kv_all[group.rows])
-        cg = torch.where(group.from_buf, state.buf_gate[sl].to(gate_all.dtype),
-                         gate_all[group.rows])
+        k, sl = wins.slots.shape[0], wins.slots
+        ck = torch.where(wins.from_buf, state.buf_kv[sl].to(kv_all.dtype), kv_all[wins.rows])
+        cg = torch.where(wins.from_buf, state.buf_gate[sl].to(gate_all.dtype),
+                         gate_all[wins.rows])
         cg = cg + self.position_bias
         if self.overlap:
-            pool_kv = ck.new_zeros(k, 2 * m, w)
-            pool_gate = cg.new_full((k, 2 * m, w), float("-inf"))
-            pool_kv[:, m:], pool_gate[:, m:] = ck[..., w:], cg[..., w:]
-            # A complete window precedes (start >= m): its saved Ca half fills the first m rows.
-            prev = group.after_first
-            pool_kv[:, :m] = torch.where(prev, state.overlap_kv[sl].to(ck.dtype), pool_kv[:, :m])
-            pool_gate[:, :m] = torch.where(prev, state.overlap_gate[sl].to(cg.dtype),
-                                           pool_gate[:, :m])
-            state.overlap_kv[sl] = ck[..., :w].float()
-            state.overlap_gate[sl] = cg[..., :w].float()
-            ck, cg = pool_kv, pool_gate
-        return self._entries(ck, cg, group.cos_sin(rope, ck.dtype))
+            # Rows 0 .. m - 1: the Ca half of the window before (this step's, else the saved one
+            # where a complete window precedes, else none: 0 with a -inf gate); then own Cb.
+            ca_kv, ca_gate = ck[..., :w], cg[..., :w]
+            saved_kv = torch.where(wins.first_after, state.overlap_kv[sl].to(ck.dtype), 0.0)
+            saved_gate = torch.where(wins.first_after, state.overlap_gate[sl].to(cg.dtype),
+                                     float("-inf"))
+            state.overlap_kv[wins.last_slots] = ca_kv[wins.last].float()
+            state.overlap_gate[wins.last_slots] = ca_gate[wins.last].float()
+            ck = torch.cat([torch.where(wins.has_prev, ca_kv[wins.prev], saved_kv),
+                            ck[..., w:]], dim=1)
+            cg = torch.cat([torch.where(wins.has_prev, ca_gate[wins.prev], saved_gate),
+                            cg[..., w:]], dim=1)
+        return self._entries(ck, cg, wins.cos_sin(rope, ck.dtype))
 
     def _entries(self, ck: torch.Tensor, cg: torch.Tensor,
                  cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -192,36 +195,6 @@ class Compressor(nn.Module):
         pooled = (ck * weights.to(ck.dtype)).sum(dim=1)
         entries = rms_norm(pooled, self.kv_norm.weight, self.eps)
         return apply_rope(entries, *cos_sin)
-
-    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, context_len: int,
-              state: CompressorState, slot: int, rope: RopeTables) -> tuple[torch.Tensor, int]:
-        """One sequence's new projections kv / gate [S, series * width] that close at least one
-        window: its complete windows pooled into entries (entries [n >= 1, width], index of the
-        first entry); the rest buffered."""
-        m, w = self.rate, self.width
-        held = context_len % m
-        start = context_len - held  # absolute position of the first buffered token
-        full_kv = torch.cat([state.buf_kv[slot, :held].to(kv.dtype), kv])
-        full_gate = torch.cat([state.buf_gate[slot, :held].to(gate.dtype), gate])
-        n = full_kv.shape[0] // m
-        rest = full_kv.shape[0] - n * m
-        state.buf_kv[slot, :rest] = full_kv[n * m:].float()
-        state.buf_gate[slot, :rest] = full_gate[n * m:].float()
-        ck = full_kv[: n * m].view(n, m, -1)
-        cg = full_gate[: n * m].view(n, m, -1) + self.position_bias
-        if self.overlap:
-            pool_kv = ck.new_zeros(n, 2 * m, w)
-            pool_gate = cg.new_full((n, 2 * m, w), float("-inf"))
-            pool_kv[:, m:], pool_gate[:, m:] = ck[..., w:], cg[..., w:]
-            pool_kv[1:, :m], pool_gate[1:, :m] = ck[:-1, :, :w], cg[:-1, :, :w]
-            if start >= m:  # a complete window precedes: its Ca half was saved
-                pool_kv[0, :m] = state.overlap_kv[slot].to(pool_kv.dtype)
-                pool_gate[0, :m] = state.overlap_gate[slot].to(pool_gate.dtype)
-            state.overlap_kv[slot] = ck[-1, :, :w].float()
-            state.overlap_gate[slot] = cg[-1, :, :w].float()
-            ck, cg = pool_kv, pool_gate
-        positions = start + torch.arange(n, device=kv.device) * m
-        return self._entries(ck, cg, rope.cos_sin("compress", positions, ck.dtype)), start // m
 
 
 class IndexerScorer(nn.Module):
