@@ -16,9 +16,23 @@ from zeroinfer.model.linear import FusedLinears, Linear, pad_rows
 from zeroinfer.model.norm import rms_norm, rms_norm_unweighted
 from zeroinfer.model.rope import RopeTables, apply_rope
 
-# The most bytes of indexer scores a call holds ([rows, entries] float32; DeepInfer bounds the
-# same buffer by INDEX_ATTN_MEMORY_LIMIT).
+# The most bytes of indexer scores a call holds ([rows, entries] float32, with top_entries'
+# int64 keys beside them; DeepInfer bounds the same buffer by INDEX_ATTN_MEMORY_LIMIT).
 INDEX_SCORES_MAX_BYTES = 256 << 20
+
+
+def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest of each row of scores [R, N] float32, as entry indices [R, k] int64 in
+    descending order, equal scores by the lower index (-0 and +0 equal) - a stable descending
+    sort's first k, by a selection instead of a sort. ReLU scores are often exactly 0, so ties
+    are real, and the choice must not depend on anything but the row (chunked prefill, batch
+    composition). Each score becomes a unique int64 key, its float bits made order-preserving
+    as a signed int in the high half and the inverted index in the low half, so torch.topk's
+    choice and order are fully determined."""
+    bits = (scores + 0.0).view(torch.int32)  # (+ 0.0: -0 -> +0)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    low = 0xFFFFFFFF - torch.arange(scores.shape[-1], device=scores.device)
+    return ((ordered << 32) | low).topk(k, dim=-1).indices
 
 
 class NormWeight(nn.Module):
@@ -234,19 +248,19 @@ class Indexer(Compressor):
         num_entries the most entries a sequence of the batch holds, width the most top-k a
         sequence has (min(topk, its entries))."""
         T = q.shape[0]
-        # Scores are [T, num_entries] float32: long prefills go by row chunks of bounded size.
-        rows = max(1, INDEX_SCORES_MAX_BYTES // (4 * max(1, num_entries)))
+        # Scores are [T, num_entries] float32 (and top_entries' keys int64): long prefills go
+        # by row chunks of bounded size.
+        rows = max(1, INDEX_SCORES_MAX_BYTES // (12 * max(1, num_entries)))
         chosen = []
         for lo in range(0, max(T, 1), rows):  # (T = 0: one empty call)
             hi = min(T, lo + rows)
             vis = visible[lo:hi]
             scores = ops.indexer_scores(q[lo:hi], weights[lo:hi], keys, tables, seq[lo:hi], vis,
                                         num_entries, scale=self.width**-0.5)
-            # ReLU scores are often exactly 0, so ties are real: break them by entry index (a
-            # stable sort) so the choice never depends on how many entries the scored row holds
-            # (chunked prefill, batch composition: a row's scores past its own sequence's
-            # entries, like those past what it sees, are -inf and sort after them).
-            top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :width]
+            # Ties broken by entry index, so the choice never depends on how many entries the
+            # scored row holds (chunked prefill, batch composition: a row's scores past its own
+            # sequence's entries, like those past what it sees, are -inf and rank after them).
+            top = top_entries(scores, width)
             chosen.append(torch.where(top >= vis[:, None], -1, top))
         return chosen[0] if len(chosen) == 1 else torch.cat(chosen)
 
