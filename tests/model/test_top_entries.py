@@ -1,7 +1,8 @@
 """The indexer's top-k (attention.top_entries: a selection over order-preserving int64 keys)
 against the definition it replaced, a stable descending sort's first k: the same indices in the
 same order, ties by the lower index, on rows full of ties (ReLU scores are often exactly 0),
--0 beside +0, and -inf past what a query sees."""
+-0 beside +0, and -inf past what a query sees; rows long enough for torch.topk's multi-block
+selection on CUDA (70000)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def tie_heavy_scores(gen, rows, n):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("rows,n,k", [(7, 1, 1), (5, 37, 9), (16, 640, 64), (3, 5000, 512),
-                                      (4, 300, 300), (2, 0, 0)])
+                                      (4, 300, 300), (2, 0, 0), (2, 70000, 512)])
 def test_top_entries_is_a_stable_sorts_first_k(gen, device, rows, n, k):
     scores = tie_heavy_scores(gen, rows, n).to(device)
     want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
