@@ -52,36 +52,51 @@ class ClosingWindows:
     at once (Compressor._pool_windows). A sequence's rows are its buffered tokens (the first
     `held`) then its new tokens; window w of it covers rows w * m .. w * m + m - 1. group:
     (sequence, first new token's row in the step's tokens, new tokens, tokens held, state slot,
-    the first window's position) per sequence that closes at least one window."""
+    the first window's position) per sequence that closes at least one window.
+      rows      [k, m] each window row's new token (0 where the row is buffered)
+      buffered  (window, row, slot) of the rows read from the state's buffer, or None
+      prev      [k] CSA: the window whose Ca half comes first (this step's window before; for a
+                sequence's first window, itself, replaced by `saved` or `fresh`)
+      saved     (window, slot) of first windows after a complete one: the state's Ca half
+      fresh     first windows with no window before them (a sequence's very first): no Ca half
+                (0 with a -inf gate)
+      last / last_slots  each sequence's last window and its slot (the Ca half to keep)
+    Only the rows a window needs are read: a long prefill's windows past its first read none
+    of the buffer."""
 
     def __init__(self, group: list[tuple], rate: int, device: torch.device) -> None:
         m = rate
         self.seqs: list[int] = []   # each window's sequence, entry index and position
         self.index: list[int] = []
-        starts, slots, from_buf, rows, prev, first_after = [], [], [], [], [], []
-        last, last_slots = [], []   # each sequence's last window and its slot
+        starts, rows, prev, last, last_slots = [], [], [], [], []
+        buf_win, buf_row, buf_slot, saved_win, saved_slot, fresh = [], [], [], [], [], []
         for i, lo, new, held, slot, start in group:
-            n = (held + new) // m
-            for w in range(n):
+            for w in range((held + new) // m):
+                g = len(starts)
                 self.seqs.append(i)
                 self.index.append(start // m + w)
                 starts.append(start + w * m)
-                slots.append(slot)
-                from_buf += [w * m + j < held for j in range(m)]
                 rows += [max(lo + w * m + j - held, 0) for j in range(m)]
-                # CSA: the Ca half of the window before: this step's (prev), or the state's
-                # where a complete window precedes the step (first_after), else none.
-                prev.append(len(starts) - 2 if w else -1)
-                first_after.append(w == 0 and start >= m)
+                if w == 0:
+                    buf_win += [g] * held
+                    buf_row += range(held)
+                    buf_slot += [slot] * held
+                    (saved_win if start >= m else fresh).append(g)
+                    if start >= m:
+                        saved_slot.append(slot)
+                prev.append(g - 1 if w else g)
             last.append(len(starts) - 1)
             last_slots.append(slot)
+
+        def tensors(*lists):
+            return tuple(host_tensor(v, device) for v in lists) if lists[0] else None
+
         k = len(starts)
-        self.slots = host_tensor(slots, device)
-        self.from_buf = host_tensor(from_buf, device, torch.bool).view(k, m, 1)
         self.rows = host_tensor(rows, device).view(k, m)
-        self.prev = host_tensor([max(p, 0) for p in prev], device)
-        self.has_prev = host_tensor([p >= 0 for p in prev], device, torch.bool).view(k, 1, 1)
-        self.first_after = host_tensor(first_after, device, torch.bool).view(k, 1, 1)
+        self.buffered = tensors(buf_win, buf_row, buf_slot)
+        self.prev = host_tensor(prev, device)
+        self.saved = tensors(saved_win, saved_slot)
+        self.fresh = host_tensor(fresh, device) if fresh else None
         self.last = host_tensor(last, device)
         self.last_slots = host_tensor(last_slots, device)
         self.starts = host_tensor(starts, device)
@@ -174,25 +189,28 @@ class Compressor(nn.Module):
         """Entries [k, width] of the closing windows (in wins' order), all at once; each
         window's operations are its own, so its bits do not depend on the others
         (tests/model/test_compressor.py). CSA's state keeps each sequence's last Ca half."""
-        m, w = self.rate, self.width
-        k, sl = wins.slots.shape[0], wins.slots
-        ck = torch.where(wins.from_buf, state.buf_kv[sl].to(kv_all.dtype), kv_all[wins.rows])
-        cg = torch.where(wins.from_buf, state.buf_gate[sl].to(gate_all.dtype),
-                         gate_all[wins.rows])
+        w = self.width
+        ck, cg = kv_all[wins.rows], gate_all[wins.rows]
+        if wins.buffered is not None:
+            win, row, slot = wins.buffered
+            ck[win, row] = state.buf_kv[slot, row].to(ck.dtype)
+            cg[win, row] = state.buf_gate[slot, row].to(cg.dtype)
         cg = cg + self.position_bias
         if self.overlap:
             # Rows 0 .. m - 1: the Ca half of the window before (this step's, else the saved one
             # where a complete window precedes, else none: 0 with a -inf gate); then own Cb.
-            ca_kv, ca_gate = ck[..., :w], cg[..., :w]
-            saved_kv = torch.where(wins.first_after, state.overlap_kv[sl].to(ck.dtype), 0.0)
-            saved_gate = torch.where(wins.first_after, state.overlap_gate[sl].to(cg.dtype),
-                                     float("-inf"))
-            state.overlap_kv[wins.last_slots] = ca_kv[wins.last].float()
-            state.overlap_gate[wins.last_slots] = ca_gate[wins.last].float()
-            ck = torch.cat([torch.where(wins.has_prev, ca_kv[wins.prev], saved_kv),
-                            ck[..., w:]], dim=1)
-            cg = torch.cat([torch.where(wins.has_prev, ca_gate[wins.prev], saved_gate),
-                            cg[..., w:]], dim=1)
+            ca_kv, ca_gate = ck[..., :w][wins.prev], cg[..., :w][wins.prev]
+            if wins.saved is not None:  # (read before the state is written below)
+                win, slot = wins.saved
+                ca_kv[win] = state.overlap_kv[slot].to(ck.dtype)
+                ca_gate[win] = state.overlap_gate[slot].to(cg.dtype)
+            if wins.fresh is not None:
+                ca_kv[wins.fresh] = 0.0
+                ca_gate[wins.fresh] = float("-inf")
+            state.overlap_kv[wins.last_slots] = ck[..., :w][wins.last].float()
+            state.overlap_gate[wins.last_slots] = cg[..., :w][wins.last].float()
+            ck = torch.cat([ca_kv, ck[..., w:]], dim=1)
+            cg = torch.cat([ca_gate, cg[..., w:]], dim=1)
         return self._entries(ck, cg, wins.cos_sin(rope, ck.dtype))
 
     def _entries(self, ck: torch.Tensor, cg: torch.Tensor,
