@@ -19,7 +19,8 @@ rounds (session 38): 700 / 1204 / 2821 a round (the closing one 889 / 2905 / 970
 sequence pooled alone), 694 / 694 / 583 (865 / 865 / 754) with the closing sequences pooled
 together, 600 / 600 / 533 with moe_route and FusedLinears, 567 / 567 / 500 (703 / 703 / 636)
 with the compressors' per-step plan shared by every compressor of a rate and every closing window
-pooled at once (session 39).
+pooled at once, 585 / 585 / 518 with the indexer's top-k a selection over int64 keys (9 torch
+calls a CSA layer where the sort was 1; session 39).
 """
 
 from __future__ import annotations
