@@ -6,7 +6,8 @@ not depend on the device.
   python3 bench/probe_decode_ops.py [--model dummy] [--batches 1,8] [--top 15]
 
 Per batch size: a prefill and one decode round first, then csa_rate decode rounds (a CSA
-window's worth: one of them closes every sequence's window) counted under a torch function mode, which sees every torch call made from Python (tensor methods and factory
+window's worth: one of them closes every sequence's window) counted under a torch function
+mode, which sees every torch call made from Python (tensor methods and factory
 functions included, attribute reads such as .shape excluded), attributed to the innermost
 zeroinfer function on the stack. The emulated CPU device runs the round inline so its calls are
 seen. Measured (session 35), the 4-layer dummy model at batch 1 / 8 / 32: 2910 / 5290 / 13358

@@ -243,7 +243,8 @@ class Indexer(Compressor):
         super().__init__(config.hidden_size, config.index_head_dim, config.csa_rate, True,
                          config.rms_norm_eps, dtype)
         self.heads, self.topk = config.index_n_heads, config.index_topk
-        self.q_b_proj = dense(config.q_lora_rank, config.index_n_heads * config.index_head_dim, dtype)
+        self.q_b_proj = dense(config.q_lora_rank, config.index_n_heads * config.index_head_dim,
+                              dtype)
         self.scorer = IndexerScorer(config.hidden_size, config.index_n_heads, dtype)
 
     def queries(self, head_logits: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor,
