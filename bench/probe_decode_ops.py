@@ -3,7 +3,12 @@ Python-level call and (mostly) a kernel launch, so at small batches the count, n
 sets the decode rate (bench/results/h200/README.md, engine.json). Runs anywhere; the count does
 not depend on the device.
 
-  python3 bench/probe_decode_ops.py [--model dummy] [--batches 1,8] [--top 15]
+  python3 bench/probe_decode_ops.py [--model dummy] [--batches 1,8] [--top 15] [--launches]
+
+--launches counts instead what would launch a GPU kernel (aten ops past views and allocations,
+and calls into zeroinfer._C), by site - on the CPU, so the ops' CPU-only value checks count too.
+Session 39: 394 a round at batch 1, 359 once the linears' row padding became a view of rows
+their inputs' storage already holds (linear.pad_rows, empty_rows).
 
 Per batch size: a prefill and one decode round first, then csa_rate decode rounds (a CSA
 window's worth: one of them closes every sequence's window) counted under a torch function
@@ -32,6 +37,9 @@ import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zeroinfer import _C
 
 from zeroinfer.engine.engine import EngineConfig, LLMEngine
 from zeroinfer.model import load
@@ -61,8 +69,63 @@ class CallCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_decode_step(model, batch: int, prompt_len: int = 32,
-                      rounds: int = 1) -> list[collections.Counter[str]]:
+def _site() -> str | None:
+    frame = sys._getframe(2)
+    while frame is not None and "zeroinfer" not in frame.f_code.co_filename:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return f"{frame.f_code.co_filename.split('zeroinfer/')[-1]} {frame.f_code.co_name}"
+
+
+# aten ops that allocate or describe memory but run no kernel on a GPU
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
+              "lift_fresh", "alias", "set_", "resize_"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the aten ops that would run a kernel on a GPU (views, allocations and metadata
+    excluded) and the calls into zeroinfer._C (one launch each), by zeroinfer site - what a GPU
+    decode step launches, counted on any device. Host-to-device copies of host lists count as
+    the aten copies they are on a GPU only (here on the CPU they are none): a lower bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_site: collections.Counter[str] = collections.Counter()
+        self._saved: dict[str, object] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in _NO_KERNEL and not name.startswith("_local"):
+            site = _site()
+            if site is not None:
+                self.by_site[site] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for name in dir(_C):  # each kernel entry point of _C counts where it is called
+            fn = getattr(_C, name)
+            if callable(fn) and not name.startswith("_") and name[0].islower():
+                self._saved[name] = fn
+                setattr(_C, name, self._counting(fn))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(_C, name, fn)
+        return super().__exit__(*exc)
+
+    def _counting(self, fn):
+        def call(*args, **kwargs):
+            site = _site()
+            if site is not None:
+                self.by_site[site] += 1
+            return fn(*args, **kwargs)
+        return call
+
+
+def count_decode_step(model, batch: int, prompt_len: int = 32, rounds: int = 1,
+                      counter_type=CallCounter) -> list[collections.Counter[str]]:
     """The calls of `rounds` consecutive decode rounds, one counter a round."""
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + rounds + 8,
                        max_num_batched_tokens=batch * prompt_len, async_scheduling=False)
@@ -78,7 +141,7 @@ def count_decode_step(model, batch: int, prompt_len: int = 32,
     engine.step()  # a first decode round (one-time allocations)
     counters = []
     for _ in range(rounds):
-        counter = CallCounter()
+        counter = counter_type()
         with counter:
             engine.step()
         counters.append(counter.by_site)
@@ -91,16 +154,20 @@ def main() -> None:
     ap.add_argument("--model", default="dummy")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--launches", action="store_true",
+                    help="count what would launch a GPU kernel (LaunchCounter), not torch calls")
     args = ap.parse_args()
+    what = "kernel launches" if args.launches else "torch calls"
+    counter_type = LaunchCounter if args.launches else CallCounter
     model = load(args.model, dtype=torch.float32, device="cpu")
     # One round per position of a CSA window: the round where every sequence's window closes
     # (the prompts share a length, so they close together) pools, the others only buffer.
     rounds = model.config.csa_rate
     for batch in (int(b) for b in args.batches.split(",")):
-        per_round = count_decode_step(model, batch, rounds=rounds)
+        per_round = count_decode_step(model, batch, rounds=rounds, counter_type=counter_type)
         totals = [sum(c.values()) for c in per_round]
         sites = sum(per_round, collections.Counter())
-        print(f"batch {batch}: {sum(totals) / rounds:.0f} torch calls a decode step, mean of "
+        print(f"batch {batch}: {sum(totals) / rounds:.0f} {what} a decode step, mean of "
               f"{rounds} (a CSA window's rounds: {' / '.join(map(str, totals))})")
         for site, n in sites.most_common(args.top):
             print(f"  {n / rounds:8.1f}  {site}")

@@ -12,7 +12,7 @@ from torch import nn
 from zeroinfer import ops
 from zeroinfer.model.cache import CompressorState, ForwardBatch, LayerCache, host_tensor, slots_of
 from zeroinfer.model.config import CSA, HCA, SLIDING, ModelConfig
-from zeroinfer.model.linear import FusedLinears, Linear, pad_rows
+from zeroinfer.model.linear import FusedLinears, Linear, empty_rows, pad_rows
 from zeroinfer.model.norm import rms_norm, rms_norm_unweighted
 from zeroinfer.model.rope import RopeTables, apply_rope
 
@@ -350,12 +350,15 @@ class Attention(nn.Module):
         out, _ = ops.sparse_mla_attention(
             q.contiguous(), cache.window, win_idx, d**-0.5, attn_sink=self.sinks,
             extra_kv_cache=extra_cache, extra_indices=extra_idx)
-        out = apply_rope(out, cos, sin, inverse=True)  # undo RoPE carried by V = K (query position)
+        # Undo the RoPE carried by V = K (at the query's position), into rows that pad for free.
+        out = apply_rope(out, cos, sin, inverse=True,
+                         out=empty_rows(tuple(out.shape), out.dtype, out.device))
         G = c.o_groups
         grouped, _ = pad_rows(out.reshape(T, G, H * d // G))
         w_a = self.o_a_proj.weight.view(G, c.o_lora_rank, H * d // G)
         y = torch.bmm(grouped.transpose(0, 1), w_a.transpose(1, 2))  # [G, T', d_g]
-        y = y.transpose(0, 1)[:T].reshape(T, G * c.o_lora_rank)
+        # all T' rows copied out, so that o_b_proj's padding is a view of them
+        y = y.transpose(0, 1).reshape(grouped.shape[0], G * c.o_lora_rank)[:T]
         return self.o_b_proj(y)
 
     @staticmethod

@@ -17,12 +17,35 @@ from torch import nn
 ROW_TILE = 16
 
 
+def tile_rows(n: int) -> int:
+    """n rounded up to a whole number of ROW_TILE rows."""
+    return n + (-n) % ROW_TILE
+
+
 def pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [n, ...] with its rows made a multiple of ROW_TILE, and n. Where x's storage goes on
+    past its rows at the same strides (a tensor made by empty_rows, or the first rows or a
+    column slice of a padded GEMM's output), the extra rows are a view of what is there: no
+    launch. Their values do not matter - a GEMM's or an elementwise op's rows are independent,
+    and these are dropped. Otherwise zero rows are appended (F.pad: an allocation, a fill and a
+    copy on a GPU)."""
     n = x.shape[0]
     pad = (-n) % ROW_TILE
-    if pad:  # zero rows at the end (one op: a decode step pads ~60 times)
-        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
-    return x, n
+    if not pad:
+        return x, n
+    inner = sum((size - 1) * stride for size, stride in zip(x.shape[1:], x.stride()[1:]))
+    row_apart = all(size > 0 for size in x.shape[1:]) and x.stride(0) > inner
+    last = x.storage_offset() + (n + pad - 1) * x.stride(0) + inner  # the view's last element
+    if n and row_apart and (last + 1) * x.element_size() <= x.untyped_storage().nbytes():
+        return x.as_strided((n + pad, *x.shape[1:]), x.stride()), n
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)), n
+
+
+def empty_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of `shape` whose storage holds tile_rows(shape[0]) rows, so that
+    pad_rows extends it for free (for outputs that feed a linear)."""
+    buf = torch.empty((tile_rows(shape[0]), *shape[1:]), dtype=dtype, device=device)
+    return buf[: shape[0]]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 
 from zeroinfer import ops
 from zeroinfer.model.config import HASH_MOE, ModelConfig
-from zeroinfer.model.linear import FusedLinears, Linear
+from zeroinfer.model.linear import FusedLinears, Linear, pad_rows
 
 
 class Router(nn.Module):
@@ -79,7 +79,10 @@ class SharedExpert(nn.Module):
     def finish(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         """V4's clamped SwiGLU of the gate / up projections (the MoE's one GEMM), then down:
         down(silu(min(gate, limit)) * clamp(up, -limit, limit))."""
-        return self.down_proj(F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit))
+        # On the GEMM's padded rows (views: gate / up are column slices of its output), so
+        # that down_proj's input is padded already.
+        (gate, n), (up, _) = pad_rows(gate), pad_rows(up)
+        return self.down_proj(F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit))[:n]
 
 
 class MoE(nn.Module):

@@ -54,8 +54,9 @@ class RopeTables:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-               inverse: bool = False) -> torch.Tensor:
+               inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate the trailing 2*cos.shape[-1] channels of x [T, ..., d] in interleaved pairs, in
     float32 with one rounding a product and a sum (HF's bits; inverse: by -angle). cos/sin:
-    [T, r/2]; they broadcast over the middle (head) dims."""
-    return ops.rope_rotate(x if x.is_contiguous() else x.contiguous(), cos, sin, inverse=inverse)
+    [T, r/2]; they broadcast over the middle (head) dims. `out`: where to write (x's shape)."""
+    return ops.rope_rotate(x if x.is_contiguous() else x.contiguous(), cos, sin, inverse=inverse,
+                           out=out)
