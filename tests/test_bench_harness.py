@@ -2,6 +2,8 @@
 records are cut into calls, on synthetic records, and one real measurement on the GPU."""
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +143,23 @@ def test_stream_read_names_bad_arguments():
     with pytest.raises(ValueError, match="1-D int32"):
         stream_read.reader(torch.empty(4, 8, dtype=torch.uint8), torch.zeros(1), programs=1,
                            block=16)
+
+
+def test_launch_counter_sees_ops_and_kernel_calls_and_restores_C(gen):
+    """probe_decode_ops' LaunchCounter: a computing aten op and a call into _C count at their
+    zeroinfer site, views and allocations do not, and _C's entry points are themselves again
+    afterwards."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from probe_decode_ops import LaunchCounter
+
+    from zeroinfer import _C
+    from zeroinfer.model.norm import rms_norm
+
+    before = _C.rms_norm
+    x = torch.randn(3, 64, generator=gen)
+    w = torch.rand(64, generator=gen) + 0.5
+    counter = LaunchCounter()
+    with counter:
+        rms_norm(x, w, 1e-6)  # one _C call; its output an allocation, x's views free
+    assert _C.rms_norm is before
+    assert counter.by_site == {"ops/rms_norm.py rms_norm": 1}
