@@ -8,7 +8,8 @@ not depend on the device.
 --launches counts instead what would launch a GPU kernel (aten ops past views and allocations,
 and calls into zeroinfer._C), by site - on the CPU, so the ops' CPU-only value checks count too.
 Session 39: 394 a round at batch 1, 359 once the linears' row padding became a view of rows
-their inputs' storage already holds (linear.pad_rows, empty_rows).
+their inputs' storage already holds (linear.pad_rows, empty_rows) - while torch calls rose
+585 -> 664 (the size check, the view and the over-allocation are calls, not launches).
 
 Per batch size: a prefill and one decode round first, then csa_rate decode rounds (a CSA
 window's worth: one of them closes every sequence's window) counted under a torch function
