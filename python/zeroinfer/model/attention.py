@@ -81,9 +81,11 @@ class ClosingWindows:
                     buf_win += [g] * held
                     buf_row += range(held)
                     buf_slot += [slot] * held
-                    (saved_win if start >= m else fresh).append(g)
-                    if start >= m:
+                    if start >= m:  # a complete window precedes the step
+                        saved_win.append(g)
                         saved_slot.append(slot)
+                    else:
+                        fresh.append(g)
                 prev.append(g - 1 if w else g)
             last.append(len(starts) - 1)
             last_slots.append(slot)
@@ -127,10 +129,10 @@ class CompressPlan:
             if n:
                 closing.append((i, lo, hi - lo, held, slot, ctx - held))
             # the tokens past the last closed window start (or go on filling) the buffer
-            keep = lo if not n else lo + n * m - held
+            keep, first = (lo + n * m - held, 0) if n else (lo, held)  # token, its buffer row
             tokens += range(keep, hi)
             slots += [slot] * (hi - keep)
-            offsets += range(held if not n else 0, (held if not n else 0) + hi - keep)
+            offsets += range(first, first + hi - keep)
         self.windows = ClosingWindows(closing, m, device) if closing else None
         self.seqs = self.windows.seqs if closing else []
         self.index = self.windows.index if closing else []
