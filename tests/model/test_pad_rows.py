@@ -38,11 +38,14 @@ def test_rows_without_room_get_zero_rows(gen):
     assert q.data_ptr() != y.data_ptr() and not q[3:].any()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_rows_ignore_what_the_room_holds(gen, dtype):
-    n, k = 5, 64
-    w = torch.randn(48, k, generator=gen).to(dtype)
-    x = empty_rows((n, k), dtype, torch.device("cpu"))
+@pytest.mark.parametrize("n,k,out_features", [(5, 64, 48), (1, 4096, 1024), (17, 512, 2048)])
+def test_linear_rows_ignore_what_the_room_holds(gen, device, dtype, n, k, out_features):
+    """A GEMM's real rows are the same bits whatever its padding rows hold (here NaN) - on the
+    CPU's BLAS and on cuBLAS (the GPU's GEMMs at decode-like shapes)."""
+    w = torch.randn(out_features, k, generator=gen).to(device, dtype)
+    x = empty_rows((n, k), dtype, torch.device(device))
     x.copy_(torch.randn(n, k, generator=gen))
     x.as_strided((tile_rows(n), k), x.stride())[n:] = float("nan")  # poison the room
     want = linear(x.clone(), w)  # a plain copy: zero rows appended
