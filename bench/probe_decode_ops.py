@@ -41,7 +41,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeroinfer import _C
-
 from zeroinfer.engine.engine import EngineConfig, LLMEngine
 from zeroinfer.model import load
 from zeroinfer.sampling_params import SamplingParams
@@ -50,6 +49,16 @@ from zeroinfer.sampling_params import SamplingParams
 _FREE = {"__get__", "__len__", "size", "dim", "numel", "data_ptr", "element_size", "stride",
          "is_contiguous", "__index__", "__int__", "__bool__", "__format__", "__hash__",
          "storage_offset", "is_floating_point", "__iter__"}
+
+
+def _site() -> str | None:
+    """The innermost zeroinfer function on the stack of the counter's caller, as "path name"."""
+    frame = sys._getframe(2)
+    while frame is not None and "zeroinfer" not in frame.f_code.co_filename:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return f"{frame.f_code.co_filename.split('zeroinfer/')[-1]} {frame.f_code.co_name}"
 
 
 class CallCounter(TorchFunctionMode):
@@ -61,22 +70,10 @@ class CallCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") not in _FREE:
-            frame = sys._getframe(1)
-            while frame is not None and "zeroinfer" not in frame.f_code.co_filename:
-                frame = frame.f_back
-            if frame is not None:
-                path = frame.f_code.co_filename.split("zeroinfer/")[-1]
-                self.by_site[f"{path} {frame.f_code.co_name}"] += 1
+            site = _site()
+            if site is not None:
+                self.by_site[site] += 1
         return func(*args, **(kwargs or {}))
-
-
-def _site() -> str | None:
-    frame = sys._getframe(2)
-    while frame is not None and "zeroinfer" not in frame.f_code.co_filename:
-        frame = frame.f_back
-    if frame is None:
-        return None
-    return f"{frame.f_code.co_filename.split('zeroinfer/')[-1]} {frame.f_code.co_name}"
 
 
 # aten ops that allocate or describe memory but run no kernel on a GPU

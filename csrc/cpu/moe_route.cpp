@@ -39,9 +39,7 @@ void route_token(const MoeRouteParams& p, int64_t t) {
 }  // namespace
 
 void moe_route_cpu(const MoeRouteParams& p) {
-  ZI_CHECK(p.experts >= 1 && p.experts <= kMoeRouteMaxExperts && p.k >= 1 &&
-               p.k <= kMoeRouteMaxTopK && (p.table != nullptr || p.k <= p.experts),
-           "moe_route: bad sizes");
+  moe_route_check_sizes(p);
   dispatch_float_or_bf16(p.dtype, "moe_route: logits must be float32 or bfloat16",
                          [&](auto type) {
     using T = decltype(type);

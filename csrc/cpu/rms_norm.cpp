@@ -24,13 +24,10 @@ void norm_row(const RmsNormParams& p, const T* x, T* y) {
   for (int h = kRmsNormLanes / 2; h >= 1; h /= 2)
     for (int j = 0; j < h; ++j) lanes[j] = add_rn(lanes[j], lanes[j + h]);
   const float r = rms_factor(lanes[0], p.dim, p.eps);
-  if (p.weight) {
-    for (int64_t i = 0; i < p.dim; ++i)
-      y[i] = from_float<T>(mul_rn(p.weight[i], mul_rn(to_float(x[i]), r)));
-  } else {
-    const float rt = round_to<T>(r);
-    for (int64_t i = 0; i < p.dim; ++i) y[i] = from_float<T>(mul_rn(to_float(x[i]), rt));
-  }
+  const bool weighted = p.weight != nullptr;
+  const float rt = round_to<T>(r);
+  for (int64_t i = 0; i < p.dim; ++i)
+    y[i] = from_float<T>(rms_scaled(to_float(x[i]), weighted, weighted ? p.weight[i] : 0.f, r, rt));
 }
 
 }  // namespace

@@ -102,9 +102,7 @@ __global__ void __launch_bounds__(32 * kWarps) moe_route_kernel(MoeRouteParams p
 }  // namespace
 
 void moe_route_cuda(const MoeRouteParams& p, void* stream) {
-  ZI_CHECK(p.experts >= 1 && p.experts <= kMoeRouteMaxExperts && p.k >= 1 &&
-               p.k <= kMoeRouteMaxTopK && (p.table != nullptr || p.k <= p.experts),
-           "moe_route: bad sizes");
+  moe_route_check_sizes(p);
   if (p.num_tokens == 0) return;
   const int64_t blocks = (p.num_tokens + kWarps - 1) / kWarps;
   ZI_CHECK(blocks <= 0x7fffffff, "moe_route: too many tokens for one launch");

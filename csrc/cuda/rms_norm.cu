@@ -110,19 +110,14 @@ __global__ void __launch_bounds__(32 * kRowsPerCta) rms_norm_warp_kernel(RmsNorm
       for (int k = 0; k < 8 && c0 + k < p.dim; ++k) rms_apply<T>(p, x, y, r, c0 + k);
       continue;
     }
-    // rms_apply's arithmetic, 8 elements a load / store
-    float v[8], o[8];
+    // 8 elements a load / store
+    const bool weighted = p.weight != nullptr;
+    const float rt = round_to<T>(r);
+    float v[8], w[8] = {}, o[8];
     load8(x, c0, true, v);
-    if (p.weight) {
-      float w[8];
-      load8(p.weight, c0, true, w);
+    if (weighted) load8(p.weight, c0, true, w);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) o[k] = mul_rn(w[k], mul_rn(v[k], r));
-    } else {
-      const float rt = round_to<T>(r);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) o[k] = mul_rn(v[k], rt);
-    }
+    for (int k = 0; k < 8; ++k) o[k] = rms_scaled(v[k], weighted, w[k], r, rt);
     store8(y, c0, o);
   }
 }
@@ -140,7 +135,7 @@ __global__ void __launch_bounds__(kRmsNormLanes) rms_norm_kernel(RmsNormParams p
   const int j = threadIdx.x;
   const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
   T* y = static_cast<T*>(p.y) + row * p.dim;
-  // Lane j's sum, rms_lane_sum's order (elements j + 256 m, m ascending).
+  // Lane j's sum in the contract's order (elements j + 256 m, m ascending).
   constexpr int64_t kStep = kRmsNormLanes;
   float sum = 0.f;
   int64_t i = j;
@@ -162,20 +157,20 @@ __global__ void __launch_bounds__(kRmsNormLanes) rms_norm_kernel(RmsNormParams p
     __syncthreads();
   }
   const float r = rms_factor(lanes[0], p.dim, p.eps);
-  // rms_apply's arithmetic, a batch's loads (x again, the weight) all before its stores (y
-  // might alias them as far as the compiler knows, so it would not move a load above a store).
+  // A batch's loads (x again, the weight) all before its stores (y might alias them as far as
+  // the compiler knows, so it would not move a load above a store).
+  const bool weighted = p.weight != nullptr;
   const float rt = round_to<T>(r);
   for (i = j; i + (kBatch - 1) * kStep < p.dim; i += kBatch * kStep) {
     float v[kBatch], w[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       v[b] = to_float(x[i + b * kStep]);
-      w[b] = p.weight ? p.weight[i + b * kStep] : 0.f;
+      w[b] = weighted ? p.weight[i + b * kStep] : 0.f;
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b)
-      y[i + b * kStep] = from_float<T>(p.weight ? mul_rn(w[b], mul_rn(v[b], r))
-                                                : mul_rn(v[b], rt));
+      y[i + b * kStep] = from_float<T>(rms_scaled(v[b], weighted, w[b], r, rt));
   }
   for (; i < p.dim; i += kStep) rms_apply<T>(p, x, y, r, i);
 }

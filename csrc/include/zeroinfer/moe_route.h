@@ -68,6 +68,13 @@ ZI_HD float moe_route_weight(float s, float denom, float scale) {
   return round_to<T>(mul_rn(round_to<T>(div_rn(s, denom)), scale));
 }
 
+// The sizes both implementations need (the op checks them first, with named errors).
+inline void moe_route_check_sizes(const MoeRouteParams& p) {
+  ZI_CHECK(p.experts >= 1 && p.experts <= kMoeRouteMaxExperts && p.k >= 1 &&
+               p.k <= kMoeRouteMaxTopK && (p.table != nullptr || p.k <= p.experts),
+           "moe_route: bad sizes");
+}
+
 void moe_route_cpu(const MoeRouteParams& p);
 void moe_route_cuda(const MoeRouteParams& p, void* stream);
 

@@ -34,31 +34,24 @@ struct RmsNormParams {
   int64_t x_stride;     // elements from one row of x to the next (>= D; D when contiguous)
 };
 
-// Lane j's partial sum of squares of row x (D elements).
-template <class T>
-ZI_HD float rms_lane_sum(const T* x, int64_t dim, int lane) {
-  float s = 0.f;
-  for (int64_t i = lane; i < dim; i += kRmsNormLanes) {
-    const float v = to_float(x[i]);
-    s = add_rn(s, mul_rn(v, v));
-  }
-  return s;
-}
-
 // r from the folded sum of squares.
 ZI_HD float rms_factor(float sum_sq, int64_t dim, float eps) {
   return div_rn(1.f, sqrt_rn(add_rn(div_rn(sum_sq, static_cast<float>(dim)), eps)));
 }
 
-// Element i of the output row (the CPU twin inlines the same arithmetic per row).
+// An output element before its cast to x's dtype, from x's element v: w * (v * r) weighted (w
+// the weight's element), v * rt unweighted (rt = r rounded to x's dtype). Every form of the
+// kernels (the CPU twin, the CUDA rows element by element or 8 / a batch at a time) uses it.
+ZI_HD float rms_scaled(float v, bool weighted, float w, float r, float rt) {
+  return weighted ? mul_rn(w, mul_rn(v, r)) : mul_rn(v, rt);
+}
+
+// Element i of the output row.
 template <class T>
 ZI_HD void rms_apply(const RmsNormParams& p, const T* x, T* y, float r, int64_t i) {
-  const float v = to_float(x[i]);
-  if (p.weight) {
-    y[i] = from_float<T>(mul_rn(p.weight[i], mul_rn(v, r)));
-  } else {
-    y[i] = from_float<T>(mul_rn(v, round_to<T>(r)));
-  }
+  const bool weighted = p.weight != nullptr;
+  y[i] = from_float<T>(rms_scaled(to_float(x[i]), weighted, weighted ? p.weight[i] : 0.f, r,
+                                  round_to<T>(r)));
 }
 
 void rms_norm_cpu(const RmsNormParams& p);

@@ -8,6 +8,16 @@ from collections.abc import Sequence
 import torch
 
 
+def row_stride(x: object) -> int | None:
+    """The row stride of a 2-D tensor whose rows are unit-stride and evenly spaced (contiguous,
+    or a column slice of a wider matrix, as FusedLinears' outputs are), else None: the ops that
+    take such rows (rms_norm, moe_route) check the rest of x as contiguous."""
+    if (isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(1) == 1
+            and x.stride(0) >= x.shape[1]):
+        return x.stride(0)
+    return None
+
+
 def check_tensor(
     op: str,
     name: str,

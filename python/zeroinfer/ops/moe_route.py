@@ -18,7 +18,8 @@ import torch
 
 from zeroinfer import _C
 from zeroinfer.ops._backend import dtype_code, ptr, stream_of, use_cuda
-from zeroinfer.ops._checks import check_float, check_no_alias, check_positive_int, check_tensor
+from zeroinfer.ops._checks import (check_float, check_no_alias, check_positive_int,
+                                   check_tensor, row_stride)
 
 MOE_ROUTE_MAX_EXPERTS = 512
 MOE_ROUTE_MAX_TOPK = 16
@@ -31,7 +32,8 @@ def moe_route(logits: torch.Tensor, k: int, *, scale: float, bias: torch.Tensor 
     """(ids [T, k] int32, weights [T, k] float32) of every token (definition in the module doc).
 
     logits [T, E] float32 or bfloat16, E <= 512, rows unit-stride and evenly spaced (contiguous,
-    or a column slice of a wider matrix, as FusedLinears' outputs are). Learned routing: bias float32 [E], k <= E.
+    or a column slice of a wider matrix, as FusedLinears' outputs are). Learned routing: bias
+    float32 [E], k <= E.
     Hash routing: hash_table int64 [V, k] of expert ids and input_ids int64 [T] (token ids in
     [0, V)), no bias. k <= 16. All contiguous, on one device. On the CPU the token ids and the
     table rows they pick are checked; on CUDA (no host synchronisation) a token id or a table
@@ -39,10 +41,9 @@ def moe_route(logits: torch.Tensor, k: int, *, scale: float, bias: torch.Tensor 
     fill instead of new tensors.
     """
     op = "moe_route"
-    rows_view = (isinstance(logits, torch.Tensor) and logits.dim() == 2
-                 and logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1])
+    stride = row_stride(logits)
     check_tensor(op, "logits", logits, dtypes=(torch.float32, torch.bfloat16), ndim=2,
-                 contiguous=not rows_view)
+                 contiguous=stride is None)
     dev = logits.device
     T, E = logits.shape
     if not 1 <= E <= MOE_ROUTE_MAX_EXPERTS:
@@ -91,9 +92,8 @@ def moe_route(logits: torch.Tensor, k: int, *, scale: float, bias: torch.Tensor 
         check_no_alias(op, {"ids": out[0], "weights": out[1]},
                        {"logits": logits, "bias": bias, "hash_table": hash_table,
                         "input_ids": input_ids})
-    stride = logits.stride(0) if rows_view else E
-    _C.moe_route(use_cuda(dev, op), T, E, k, dtype_code(logits), scale, ptr(logits), stride,
-                 ptr(bias),
-                 ptr(hash_table), ptr(input_ids), vocab, ptr(out[0]), ptr(out[1]),
+    _C.moe_route(use_cuda(dev, op), T, E, k, dtype_code(logits), scale, ptr(logits),
+                 E if stride is None else stride,
+                 ptr(bias), ptr(hash_table), ptr(input_ids), vocab, ptr(out[0]), ptr(out[1]),
                  stream_of(dev))
     return out

@@ -16,7 +16,7 @@ import torch
 
 from zeroinfer import _C
 from zeroinfer.ops._backend import dtype_code, ptr, stream_of, use_cuda
-from zeroinfer.ops._checks import check_float, check_no_alias, check_tensor
+from zeroinfer.ops._checks import check_float, check_no_alias, check_tensor, row_stride
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
@@ -30,13 +30,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     inputs).
     """
     op = "rms_norm"
-    rows_view = (isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(1) == 1
-                 and x.stride(0) >= x.shape[1])
-    check_tensor(op, "x", x, dtypes=(torch.float32, torch.bfloat16), contiguous=not rows_view)
+    stride = row_stride(x)
+    check_tensor(op, "x", x, dtypes=(torch.float32, torch.bfloat16), contiguous=stride is None)
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"{op}: x must be [..., D] with D >= 1, got shape {tuple(x.shape)}")
     dim = x.shape[-1]
-    x_stride = x.stride(0) if rows_view else dim
     if weight is not None:
         check_tensor(op, "weight", weight, dtypes=(torch.float32,), shape=(dim,), device=x.device)
     eps = check_float(op, "eps", eps)
@@ -47,6 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
     else:
         check_tensor(op, "out", out, dtypes=(x.dtype,), shape=tuple(x.shape), device=x.device)
         check_no_alias(op, {"out": out}, {"x": x, "weight": weight})
-    _C.rms_norm(use_cuda(x.device, op), x.numel() // dim, dim, x_stride, dtype_code(x), eps,
+    _C.rms_norm(use_cuda(x.device, op), x.numel() // dim, dim, dim if stride is None else stride,
+                dtype_code(x), eps,
                 ptr(x), ptr(weight), ptr(out), stream_of(x.device))
     return out
