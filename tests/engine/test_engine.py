@@ -119,6 +119,23 @@ def test_prompt_logits_equal_teacher_forcing(model, gen):
     assert torch.equal(got, model.logits(ids))  # batch-invariant numerics: bitwise
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_chunked_prompt_alone_equals_greedy(model, gen, async_scheduling):
+    """One long prompt in chunks of a few tokens: its first rounds sample nothing, and must
+    still fill the caches (they once skipped the forward)."""
+    ids = torch.randint(2, model.config.vocab_size, (int(torch.randint(20, 45, (1,),
+                        generator=gen)),), generator=gen).tolist()
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=64,
+                       max_num_batched_tokens=int(torch.randint(3, 9, (1,), generator=gen)),
+                       async_scheduling=async_scheduling)
+    eng = LLMEngine(model, cfg)
+    req = eng.add_request(ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    eng.finish()
+    assert eng.blocks.all_free()
+    eng.close()
+    assert req.output_ids == model.greedy(ids, 8)
+
+
 def test_bad_requests_rejected_while_others_finish(model):
     cfg = EngineConfig(max_num_seqs=4, max_model_len=32, max_num_batched_tokens=32)
     eng = LLMEngine(model, cfg)

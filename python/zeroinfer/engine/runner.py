@@ -203,8 +203,9 @@ class ModelRunner:
             csa_tables=self._tensor(host["tables"]["csa"], i32),
             hca_tables=self._tensor(host["tables"]["hca"], i32), state_slots=host["slots"],
             seq=self._tensor([i for i, r in enumerate(handle.batch.rows) for _ in range(r.num_tokens)], i64))
-        rows = host["logits_rows"]
-        logits = self.net(fb, self.caches, logits_rows=self._tensor(rows, i64)) if rows else None
+        # Every round runs the forward, with or without logits to read: a round of prompt chunks
+        # that sample nothing still fills the caches.
+        logits = self.net(fb, self.caches, logits_rows=self._tensor(host["logits_rows"], i64))
         batch = handle.batch
         n_sample = len(batch.sample_rows)
         offset = 0
