@@ -37,7 +37,8 @@ def run(model, work, *, async_scheduling: bool, kv_tokens: int, seed: int = 1, *
     cfg = EngineConfig(max_num_seqs=kw.get("max_num_seqs", 24), max_model_len=64,
                        max_num_batched_tokens=kw.get("max_num_batched_tokens", 96),
                        kv_cache_bytes=int(kv_tokens * sum(kv_bytes_per_token(model).values())),
-                       async_scheduling=async_scheduling)
+                       async_scheduling=async_scheduling,
+                       decode_graphs=kw.get("decode_graphs"))
     eng = LLMEngine(model, cfg, seed=seed)
     reqs = [eng.add_request(p, sp) for p, sp, _ in work]
     aborts = {r.request_id: a for r, (_, _, a) in zip(reqs, work) if a is not None}
@@ -53,7 +54,8 @@ def run(model, work, *, async_scheduling: bool, kv_tokens: int, seed: int = 1, *
     eng.finish()
     assert eng.blocks.all_free(), "KV blocks leaked"
     out = [(r.output_ids, r.finish_reason) for r in reqs]
-    stats = dict(preemptions=eng.scheduler.num_preemptions, rounds=eng.rounds)
+    stats = dict(preemptions=eng.scheduler.num_preemptions, rounds=eng.rounds,
+                 decode_classes=len(eng.runner.graphs.steps) if eng.runner.graphs else 0)
     eng.close()
     return out, stats
 
@@ -77,6 +79,23 @@ def test_async_matches_sync(model, sampled, kv_tokens, seed):
         assert sync_stats["preemptions"] > 0 and async_stats["preemptions"] > 0
     reasons = {r for _, r in sync_out}
     assert {"length", "abort"} <= reasons
+
+
+def test_decode_graphs_match_eager(model, seed):
+    """Decode rounds in fixed shapes (on the CPU, what a GPU captures as CUDA graphs), in the
+    async pipeline with preemption, give the synchronous variable-shape loop's tokens."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    long = [([rng.randrange(2, vocab) for _ in range(40)],  # eight of these cannot all fit
+             SamplingParams(temperature=0.7, max_tokens=14, ignore_eos=True,
+                            seed=rng.randrange(2**31)), None) for _ in range(8)]
+    work = long + make_workload(rng, 60, vocab, sampled=True)
+    eager, _ = run(model, work, async_scheduling=False, kv_tokens=160, max_num_seqs=8,
+                   decode_graphs=False)
+    fixed, stats = run(model, work, async_scheduling=True, kv_tokens=160, max_num_seqs=8,
+                       decode_graphs=True)
+    assert fixed == eager
+    assert stats["decode_classes"] > 0 and stats["preemptions"] > 0
 
 
 def test_every_request_finishes_exactly_once(model, seed):

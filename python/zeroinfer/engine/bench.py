@@ -1,4 +1,5 @@
-"""`zeroinfer bench`: a synthetic decode workload, run with the zero-overhead pipeline on and off.
+"""`zeroinfer bench`: a synthetic decode workload, run with the zero-overhead pipeline on and off
+(on a GPU with decode rounds from CUDA graphs, and once more without them, eagerly).
 
 Per batch size it reports decode throughput, the device's idle time between rounds (CUDA events
 around each round on a GPU; the emulated device's clock on CPU), the host's scheduling time per
@@ -20,10 +21,11 @@ from zeroinfer.sampling_params import SamplingParams
 from zeroinfer.testing import bench
 
 
-def _one(model, batch: int, input_len: int, output_len: int, async_on: bool) -> dict:
+def _one(model, batch: int, input_len: int, output_len: int, async_on: bool,
+         graphs: bool) -> dict:
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=input_len + output_len + 1,
                        max_num_batched_tokens=max(batch * input_len, batch),
-                       async_scheduling=async_on)
+                       async_scheduling=async_on, decode_graphs=graphs)
     eng = LLMEngine(model, cfg, seed=0)
     eng.runner.timing = True
     eng.history = []
@@ -42,7 +44,7 @@ def _one(model, batch: int, input_len: int, output_len: int, async_on: bool) -> 
     gaps = ModelRunner.idle_gaps(decode_rounds)
     n = max(1, eng.rounds)
     row = {
-        "batch": batch, "async": async_on, "input_len": input_len, "output_len": output_len,
+        "batch": batch, "async": async_on, "graphs": graphs, "input_len": input_len, "output_len": output_len,
         "decode_tokens_per_s": batch * (output_len - 1) / wall,
         "idle_gap_us_median": statistics.median(gaps) * 1e6 if gaps else None,
         "idle_gap_us_mean": statistics.fmean(gaps) * 1e6 if gaps else None,
@@ -90,11 +92,13 @@ def run_engine_bench(a) -> None:
     model = load(a.model, dtype=dtype, device=dev)
     sizes = [int(s) for s in a.batch_sizes.split(",")]
     rows = []
+    cuda = dev.startswith("cuda")
+    modes = [(False, cuda), (True, cuda)] + ([(True, False)] if cuda else [])
     for b in sizes:
-        for async_on in (False, True):
-            rows.append(_one(model, b, a.input_len, a.output_len, async_on))
+        for async_on, graphs in modes:
+            rows.append(_one(model, b, a.input_len, a.output_len, async_on, graphs))
             print(rows[-1], flush=True)
-    cols = ["batch", "async", "decode_tokens_per_s", "idle_gap_us_median", "idle_gap_us_mean",
+    cols = ["batch", "async", "graphs", "decode_tokens_per_s", "idle_gap_us_median", "idle_gap_us_mean",
             "schedule_us_per_round", "commit_us_per_round", "rounds"]
     bench.print_table(rows, cols)
     kv = kv_layout_rows(model, EngineConfig(max_num_seqs=8, max_model_len=4096))

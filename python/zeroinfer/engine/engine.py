@@ -37,6 +37,9 @@ class EngineConfig:
     hca_block_size: int = 4
     async_scheduling: bool = True
     forbid_host_sync: bool = False  # CUDA: raise on any host sync inside the launch path
+    # Decode rounds (one new token a row) in fixed shapes (model/decode_graph.py): replayed
+    # CUDA graphs on a GPU. None: on CUDA only (on the CPU the fixed shapes only cost).
+    decode_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "window_block_size",
@@ -88,7 +91,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_model_len=cfg.max_model_len)
-        self.runner = ModelRunner(model.net, caches, model.device, forbid_sync=cfg.forbid_host_sync)
+        graphs = model.device.type == "cuda" if cfg.decode_graphs is None else cfg.decode_graphs
+        self.runner = ModelRunner(model.net, caches, model.device, forbid_sync=cfg.forbid_host_sync,
+                                  decode_graphs=graphs)
         model.net.rope(model.device)  # build the RoPE tables now, not inside a launch
         self.scheduler.round_done = self._round_done
         self.rng = random.Random(seed)

@@ -20,6 +20,7 @@ import torch
 from zeroinfer import ops
 from zeroinfer.engine.scheduler import RoundResult, ScheduledBatch
 from zeroinfer.model.cache import ForwardBatch, LayerCache, host_tensor
+from zeroinfer.model.decode_graph import DecodeGraphs
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from zeroinfer.sampling.sampler import SamplingBatch, sample
 
@@ -106,8 +107,9 @@ def forbid_host_sync(enabled: bool):
 
 class ModelRunner:
     def __init__(self, net: DeepseekV4ForCausalLM, caches: list[LayerCache], device: torch.device,
-                 *, forbid_sync: bool = False) -> None:
+                 *, forbid_sync: bool = False, decode_graphs: bool = False) -> None:
         self.net, self.caches, self.device = net, caches, device
+        self.graphs = DecodeGraphs(net, caches, device) if decode_graphs else None
         self.cuda = device.type == "cuda"
         self.forbid_sync = forbid_sync and self.cuda
         self.emulated = None if self.cuda else EmulatedDevice()
@@ -196,17 +198,23 @@ class ModelRunner:
                 ones_prev, torch.ones(R, dtype=i32, device=self.device), cu,
                 cu[1:] - cu[:-1] + self._tensor(host["ctx"], i32), positions, input_ids)
             input_ids, positions = fixed.input_ids, fixed.positions
-        fb = ForwardBatch(
-            input_ids=input_ids.to(i64), positions=positions.to(i64), cu_seqlens=host["cu"],
-            context_lens=host["ctx"],
-            window_tables=self._tensor(host["tables"]["window"], i32),
-            csa_tables=self._tensor(host["tables"]["csa"], i32),
-            hca_tables=self._tensor(host["tables"]["hca"], i32), state_slots=host["slots"],
-            seq=self._tensor([i for i, r in enumerate(handle.batch.rows) for _ in range(r.num_tokens)], i64))
-        # Every round runs the forward, with or without logits to read: a round of prompt chunks
-        # that sample nothing still fills the caches.
-        logits = self.net(fb, self.caches, logits_rows=self._tensor(host["logits_rows"], i64))
         batch = handle.batch
+        if self.graphs is not None and batch.rows and all(
+                r.num_tokens == 1 and r.sample and not r.all_logits for r in batch.rows):
+            # a decode round: one token a row, each sampled (model/decode_graph.py)
+            logits = self.graphs.run(input_ids, host["pos"], host["ctx"], host["slots"],
+                                     host["tables"])
+        else:  # every round runs the forward: prompt chunks that sample nothing fill the caches
+            fb = ForwardBatch(
+                input_ids=input_ids.to(i64), positions=positions.to(i64), cu_seqlens=host["cu"],
+                context_lens=host["ctx"],
+                window_tables=self._tensor(host["tables"]["window"], i32),
+                csa_tables=self._tensor(host["tables"]["csa"], i32),
+                hca_tables=self._tensor(host["tables"]["hca"], i32), state_slots=host["slots"],
+                seq=self._tensor([i for i, r in enumerate(batch.rows)
+                                  for _ in range(r.num_tokens)], i64))
+            logits = self.net(fb, self.caches,
+                              logits_rows=self._tensor(host["logits_rows"], i64))
         n_sample = len(batch.sample_rows)
         offset = 0
         for i, r in enumerate(batch.rows):  # prompt-scoring rows come first in logits order

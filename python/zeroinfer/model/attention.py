@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from zeroinfer import ops
-from zeroinfer.model.cache import CompressorState, ForwardBatch, LayerCache, host_tensor, slots_of
+from zeroinfer.model.cache import (CompressorState, DecodeRows, ForwardBatch, LayerCache,
+                                  host_tensor, scratch_row, slots_of)
 from zeroinfer.model.config import CSA, HCA, SLIDING, ModelConfig
 from zeroinfer.model.linear import FusedLinears, Linear, empty_rows, pad_rows
 from zeroinfer.model.norm import rms_norm, rms_norm_unweighted
@@ -47,7 +48,20 @@ def dense(in_f: int, out_f: int, dtype: torch.dtype) -> Linear:
     return Linear(in_f, out_f, dtype)
 
 
-class ClosingWindows:
+class WindowStarts:
+    """Windows to pool, by their first positions (starts [k]): the compress table there is made
+    once for every layer."""
+
+    starts: torch.Tensor
+
+    def cos_sin(self, rope: RopeTables, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        memo = self.__dict__.setdefault("_cos_sin", {})
+        if dtype not in memo:
+            memo[dtype] = rope.cos_sin("compress", self.starts, dtype)
+        return memo[dtype]
+
+
+class ClosingWindows(WindowStarts):
     """A step's windows that close, of every sequence, as the index tensors that pool them all
     at once (Compressor._pool_windows). A sequence's rows are its buffered tokens (the first
     `held`) then its new tokens; window w of it covers rows w * m .. w * m + m - 1. group:
@@ -102,13 +116,24 @@ class ClosingWindows:
         self.last = host_tensor(last, device)
         self.last_slots = host_tensor(last_slots, device)
         self.starts = host_tensor(starts, device)
-        self._cos_sin: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, rope: RopeTables, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compress table at the windows' first positions, made once for every layer."""
-        if dtype not in self._cos_sin:
-            self._cos_sin[dtype] = rope.cos_sin("compress", self.starts, dtype)
-        return self._cos_sin[dtype]
+
+class DecodeWindows(WindowStarts):
+    """A fixed-shape decode step's windows (ForwardBatch.decode), one a row, for a compressor of
+    rate m; the same for every compressor of that rate. Every row's window is pooled as if it
+    closed (Compressor.compress_decode), and only those that close are kept:
+      held    [S] the tokens of the row's window before this step (the new token's row)
+      closes  [S] bool: the new token completes the window
+      saved   [S] bool: a complete window precedes it (CSA: its Ca half is in the state)
+      index   [S] the window's entry index; starts [S] its first position."""
+
+    def __init__(self, rows: DecodeRows, m: int) -> None:
+        ctx = rows.context_lens
+        self.held = ctx % m
+        self.closes = self.held == m - 1
+        self.starts = ctx - self.held
+        self.saved = self.starts >= m
+        self.index = torch.div(ctx, m, rounding_mode="floor")
 
 
 class CompressPlan:
@@ -185,6 +210,37 @@ class Compressor(nn.Module):
             state.buf_kv[sl, off] = kv_all.float()
             state.buf_gate[sl, off] = gate_all.float()
         return plan.seqs, plan.index, entries
+
+    def compress_decode(self, kv_all: torch.Tensor, gate_all: torch.Tensor,
+                        batch: ForwardBatch, state: CompressorState, rope: RopeTables,
+                        ) -> tuple[torch.Tensor, DecodeWindows]:
+        """compress_batch's fixed-shape form, for a decode step (batch.decode: one new token a
+        row, the lengths on the device): every row's window is pooled as if it closed, and the
+        caller keeps the entries of those that do (DecodeWindows.closes); the new token goes to
+        the state's buffer at its row. For a window that closes that is row m - 1, which no
+        window reads (the next one starts at row 0). No shape or write count depends on the
+        lengths, so a CUDA graph can hold it; the Ca half of a window that does not close goes
+        to the scratch slot. The entries that close have compress_batch's bits (a window's
+        operations are its own). Returns (entries [S, width], the rows' DecodeWindows)."""
+        m, w, slot = self.rate, self.width, batch.decode.state_slots
+        wins = batch.derived(("decode_windows", m), lambda: DecodeWindows(batch.decode, m))
+        ck = torch.cat([state.buf_kv[slot, :m - 1].to(kv_all.dtype), kv_all[:, None]], dim=1)
+        cg = torch.cat([state.buf_gate[slot, :m - 1].to(gate_all.dtype), gate_all[:, None]],
+                       dim=1)
+        cg = cg + self.position_bias
+        if self.overlap:  # the Ca half before: the state's where a complete window precedes
+            saved = wins.saved[:, None, None]
+            ca_kv = torch.where(saved, state.overlap_kv[slot].to(ck.dtype), 0.0)
+            ca_gate = torch.where(saved, state.overlap_gate[slot].to(cg.dtype), float("-inf"))
+            keep = torch.where(wins.closes, slot, state.scratch_slot)
+            state.overlap_kv[keep] = ck[..., :w].float()
+            state.overlap_gate[keep] = cg[..., :w].float()
+            ck = torch.cat([ca_kv, ck[..., w:]], dim=1)
+            cg = torch.cat([ca_gate, cg[..., w:]], dim=1)
+        entries = self._entries(ck, cg, wins.cos_sin(rope, ck.dtype))
+        state.buf_kv[slot, wins.held] = kv_all.float()  # (after the reads above)
+        state.buf_gate[slot, wins.held] = gate_all.float()
+        return entries, wins
 
     def _pool_windows(self, kv_all: torch.Tensor, gate_all: torch.Tensor, wins: ClosingWindows,
                       state: CompressorState, rope: RopeTables) -> torch.Tensor:
@@ -399,28 +455,42 @@ class Attention(nn.Module):
 
         def store(pool: torch.Tensor, compressor: Compressor, state: CompressorState, kv_all,
                   gate_all) -> None:
+            """The step's new entries into pool, by one indexed write."""
+            flat = pool.view(-1, pool.shape[-1])
+            if batch.decode is not None:  # every row writes: a window that stays open, scratch
+                entries, wins = compressor.compress_decode(kv_all, gate_all, batch, state, rope)
+                at = batch.derived(("decode_slots", m, csa, Bc), lambda: torch.where(
+                    wins.closes, slots_of(tables, seq, torch.where(wins.closes, wins.index, 0),
+                                          Bc), scratch_row(pool)))
+                flat[at] = entries.to(pool.dtype)
+                return
             seqs, index, entries = compressor.compress_batch(kv_all, gate_all, batch, state, rope)
-            if entries is not None:  # one indexed write for every new entry of the batch
+            if entries is not None:
                 dev = pool.device
                 at = batch.derived(("compress_slots", m, csa, Bc), lambda: slots_of(
                     tables, host_tensor(seqs, dev), host_tensor(index, dev), Bc))
-                pool.view(-1, pool.shape[-1])[at] = entries.to(pool.dtype)
+                flat[at] = entries.to(pool.dtype)
 
         store(cache.comp, comp, cache.state["compressor"], proj[0], proj[1])
-        # Entries of each sequence after this step; a query sees those of windows closed at or
-        # before its position.
-        totals = [(batch.context_lens[i] + batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]) // m
-                  for i in range(batch.num_seqs)]
+        # Entries of each sequence after this step (n_max: the most; a fixed-shape decode step
+        # takes what the tables hold); a query sees those of windows closed at or before its
+        # position.
+        if batch.decode is not None:
+            n_max = tables.shape[1] * Bc
+        else:
+            n_max = max([(batch.context_lens[i] + batch.cu_seqlens[i + 1] - batch.cu_seqlens[i])
+                         // m for i in range(batch.num_seqs)] + [0])
         visible = batch.derived(("visible", m),
                                 lambda: torch.div(batch.positions + 1, m, rounding_mode="floor"))
         if not csa:  # HCA: every closed window is visible, for all queries at once
             return batch.derived(("hca", m, Bc), lambda: self._hca_slots(batch, tables, visible,
-                                                                        max(totals + [0]), Bc))
+                                                                        n_max, Bc))
         ix = comp.indexer
         store(cache.index, ix, cache.state["indexer"], proj[2], proj[3])
         iq, iw = ix.queries(proj[4], q_res, cos, sin)
-        n_max = max(totals + [0])
-        width = max([min(ix.topk, t) for t in totals] + [0])  # each query's top-k at most
+        # Each query's top-k at most: min(topk, n_max). (Past the entries a query sees, its
+        # picks are -1: a wider list only adds -1 columns.)
+        width = min(ix.topk, n_max)
         chosen = ix.select(iq, iw, cache.index, tables, seq, visible, n_max, width)
         slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), Bc)
         return torch.where(chosen >= 0, slots, -1).to(torch.int32)

@@ -11,6 +11,12 @@ block b in every layer's pool, as in vLLM — plus one compressor-state slot. A 
 absolute position p lives at window slot table_w[p // B] * B + p % B; compressed entry e at
 table_c[e // Bc] * Bc + e % Bc. The scheduler owns the tables and may free window blocks that
 lie wholly before p - sliding_window; nothing here allocates per step.
+
+Scratch: every pool holds one block past the spec's count and every compressor state one slot
+past it (a pool's last block, CompressorState.scratch_slot). They are never handed out: a
+fixed-shape decode step (model/decode_graph.py) writes there what a row must not keep - the
+entry of a window that did not close, everything of a padding row - so that no write's target
+or count depends on the lengths.
 """
 
 from __future__ import annotations
@@ -36,35 +42,39 @@ class CacheSpec:
 
 
 class LayerCache:
-    """One layer's pools. Tensors are preallocated once; the forward writes into them."""
+    """One layer's pools. Tensors are preallocated once; the forward writes into them. Each
+    pool's last block is the scratch block (the module doc)."""
 
     def __init__(self, config: ModelConfig, layer: int, spec: CacheSpec, dtype: torch.dtype,
                  device: torch.device) -> None:
         d, kind = config.head_dim, config.layer_types[layer]
         kw = dict(dtype=dtype, device=device)
         self.kind = kind
-        self.window = torch.zeros(spec.num_window_blocks, spec.window_block_size, d, **kw)
+        self.window = torch.zeros(spec.num_window_blocks + 1, spec.window_block_size, d, **kw)
         self.comp = self.index = None
         self.state: dict[str, CompressorState] = {}
         if kind == CSA:
-            self.comp = torch.zeros(spec.num_csa_blocks, spec.csa_block_size, d, **kw)
-            self.index = torch.zeros(spec.num_csa_blocks, spec.csa_block_size,
+            self.comp = torch.zeros(spec.num_csa_blocks + 1, spec.csa_block_size, d, **kw)
+            self.index = torch.zeros(spec.num_csa_blocks + 1, spec.csa_block_size,
                                      config.index_head_dim, **kw)
             self.state["compressor"] = CompressorState(spec.num_state_slots, config.csa_rate, d, True, device)
             self.state["indexer"] = CompressorState(spec.num_state_slots, config.csa_rate,
                                                     config.index_head_dim, True, device)
         elif kind == HCA:
-            self.comp = torch.zeros(spec.num_hca_blocks, spec.hca_block_size, d, **kw)
+            self.comp = torch.zeros(spec.num_hca_blocks + 1, spec.hca_block_size, d, **kw)
             self.state["compressor"] = CompressorState(spec.num_state_slots, config.hca_rate, d, False, device)
 
 
 class CompressorState:
     """Per-sequence compressor state. The number of valid buffered tokens is not stored: it is
     context_len % rate, and the overlap is valid iff a complete window exists (context_len >=
-    rate rounded down), so a fresh sequence needs no reset. Kept in float32 (HF pools in fp32)."""
+    rate rounded down), so a fresh sequence needs no reset. Kept in float32 (HF pools in fp32).
+    One slot past `slots` is the scratch slot (the module doc)."""
 
     def __init__(self, slots: int, rate: int, width: int, overlap: bool, device) -> None:
         series = 2 if overlap else 1
+        slots += 1
+        self.scratch_slot = slots - 1
         kw = dict(dtype=torch.float32, device=device)
         self.buf_kv = torch.zeros(slots, rate, series * width, **kw)
         self.buf_gate = torch.zeros(slots, rate, series * width, **kw)
@@ -79,6 +89,17 @@ def allocate_caches(config: ModelConfig, spec: CacheSpec, dtype: torch.dtype,
 
 
 @dataclass
+class DecodeRows:
+    """A fixed-shape decode step's per-row metadata, on the device: context_lens [S] int64 (the
+    tokens cached before this step's one) and state_slots [S] int64. A padding row is a fresh
+    sequence (length 0) whose every write lands in scratch: its window table row names the
+    window pool's scratch block, its other rows -1, its state slot the scratch slot."""
+
+    context_lens: torch.Tensor
+    state_slots: torch.Tensor
+
+
+@dataclass
 class ForwardBatch:
     """One step: new tokens of B sequences, flattened in sequence order (no padding).
 
@@ -86,6 +107,11 @@ class ForwardBatch:
     cu_seqlens[i]:cu_seqlens[i+1] whose positions are context_lens[i] .. context_lens[i]+q_i-1.
     Block tables are int32 [B, max_blocks] (unused entries -1); state_slots [B] int64.
     The CPU copies (lists) drive the per-sequence loops of the compressors.
+
+    decode: a decode step in fixed shapes (DecodeRows: one token a row, the lengths and state
+    slots on the device). Then the host lists are not read: context_lens / state_slots may be
+    anything, cu_seqlens is 0 .. S, and every shape follows S and the tables' widths alone, so
+    one CUDA graph serves every such step (model/decode_graph.py).
     """
 
     input_ids: torch.Tensor
@@ -97,10 +123,11 @@ class ForwardBatch:
     hca_tables: torch.Tensor
     state_slots: list[int]
     seq: torch.Tensor | None = None  # [T] sequence index per token; derived if not given
+    decode: DecodeRows | None = None
 
     @property
     def num_seqs(self) -> int:
-        return len(self.context_lens)
+        return len(self.cu_seqlens) - 1
 
     def seq_of_token(self) -> torch.Tensor:
         """[T] sequence index of every token (computed once per batch, without a host sync)."""
@@ -129,6 +156,11 @@ def host_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64) 
     pinned buffer and a non-blocking copy on CUDA), so it can sit inside the launch path."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def scratch_row(pool: torch.Tensor) -> int:
+    """The flat row ([blocks * block_size, ...] view) of a pool's scratch: its last."""
+    return pool.shape[0] * pool.shape[1] - 1
 
 
 def slots_of(tables: torch.Tensor, seq: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:

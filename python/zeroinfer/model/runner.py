@@ -11,13 +11,16 @@ import math
 import torch
 
 from zeroinfer.model.cache import CacheSpec, ForwardBatch, allocate_caches
+from zeroinfer.model.decode_graph import DecodeGraphs
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 
 
 class PagedRunner:
     def __init__(self, net: DeepseekV4ForCausalLM, *, max_seqs: int = 4, max_len: int = 1024,
                  window_block_size: int = 16, csa_block_size: int = 8, hca_block_size: int = 2,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, decode_graphs: bool = False) -> None:
+        """decode_graphs: run steps where every sequence has one new token through
+        DecodeGraphs (CUDA graphs on a GPU; the same fixed-shape forward eagerly on the CPU)."""
         c = net.config
         self.net, self.max_len, self.max_seqs = net, max_len, max_seqs
         self.device = torch.device(device) if device else next(net.parameters()).device
@@ -35,6 +38,9 @@ class PagedRunner:
 
         self.window_tables, self.csa_tables, self.hca_tables = tables(self.nw), tables(self.nc), tables(self.nh)
         self.lengths = [0] * max_seqs
+        self.host_tables = {k: getattr(self, f"{k}_tables").tolist()
+                            for k in ("window", "csa", "hca")}
+        self.graphs = DecodeGraphs(net, self.caches, self.device) if decode_graphs else None
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
@@ -54,6 +60,12 @@ class PagedRunner:
             pos += range(self.lengths[s], self.lengths[s] + len(toks))
             cu.append(cu[-1] + len(toks))
             ctx.append(self.lengths[s])
+        if self.graphs is not None and len(ids) == len(slots):  # one new token each
+            tables = {k: [self.host_tables[k][s] for s in slots] for k in self.host_tables}
+            logits = self.graphs.run(ids, pos, ctx, slots, tables).clone()
+            for s in slots:
+                self.lengths[s] += 1
+            return {s: logits[i:i + 1] for i, s in enumerate(slots)}
         sel = torch.tensor(slots, device=self.device)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),

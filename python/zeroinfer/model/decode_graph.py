@@ -1,0 +1,148 @@
+"""Decode steps in fixed shapes, replayed from CUDA graphs.
+
+A GPU decode step of a small batch is bound by the host: some 660 torch calls and 360 launches
+a round for four layers (bench/probe_decode_ops.py). A CUDA graph replays them in one call, but
+only if every shape, and the number of every write, is the same from step to step.
+ForwardBatch.decode gives the forward that form (the compressors pool every row's window and
+keep those that close, the indexer and HCA take what the tables hold): its shapes follow the row
+count and the block tables' widths alone. So one graph serves every step of a class (rows,
+widths): the rows padded up to ROW_BUCKETS, each table's width to a power of two.
+
+Padding rows are fresh one-token sequences whose every write lands in the caches' scratch (the
+window pool's scratch block, the scratch state slot; model/cache.py). A graph is captured on
+padding rows alone, so capturing it writes nothing that a sequence reads.
+
+On the CPU the same fixed-shape forward runs eagerly: CI tests the form the GPU captures.
+Graphs hold the weights' and caches' addresses: make the DecodeGraphs after loading, and a new
+one if the weights or caches are replaced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroinfer.model.cache import DecodeRows, ForwardBatch, LayerCache, host_tensor
+
+# Row counts a graph is made for: a step of S rows runs in the first bucket >= S.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+KINDS = ("window", "csa", "hca")
+
+
+def row_bucket(rows: int) -> int:
+    for b in ROW_BUCKETS:
+        if b >= rows:
+            return b
+    raise ValueError(f"decode graphs: {rows} rows exceed the largest bucket ({ROW_BUCKETS[-1]})")
+
+
+def width_bucket(blocks: int) -> int:
+    """A table width (in blocks) rounded up to a power of two (at least 1)."""
+    return 1 << max(0, blocks - 1).bit_length()
+
+
+class FixedStep:
+    """One class's fixed inputs (on the device) and, on CUDA, its graph and output."""
+
+    def __init__(self, rows: int, widths: dict[str, int], device: torch.device) -> None:
+        i64 = dict(dtype=torch.int64, device=device)
+        self.rows, self.widths = rows, widths
+        self.ids = torch.zeros(rows, **i64)
+        self.meta = torch.zeros(3, rows, **i64)  # positions, context lengths, state slots
+        self.tables = {k: torch.full((rows, w), -1, dtype=torch.int32, device=device)
+                       for k, w in widths.items()}
+        self.seq = torch.arange(rows, **i64)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def batch(self) -> ForwardBatch:
+        """A ForwardBatch over the fixed inputs (a new one each step: its derived values are
+        the step's)."""
+        n = self.rows
+        return ForwardBatch(
+            input_ids=self.ids, positions=self.meta[0], cu_seqlens=list(range(n + 1)),
+            context_lens=[0] * n, window_tables=self.tables["window"],
+            csa_tables=self.tables["csa"], hca_tables=self.tables["hca"], state_slots=[0] * n,
+            seq=self.seq, decode=DecodeRows(self.meta[1], self.meta[2]))
+
+
+class DecodeGraphs:
+    """Runs decode steps (one new token a sequence) of `net` over `caches` in fixed shapes: from
+    CUDA graphs on a GPU (captured on first use of a class, sharing one memory pool), eagerly on
+    the CPU. `run` returns the logits [S, V] float32; on CUDA they are the graph's output,
+    overwritten by the next step of that class."""
+
+    def __init__(self, net, caches: list[LayerCache], device: torch.device | str) -> None:
+        self.net, self.caches, self.device = net, caches, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.steps: dict[tuple, FixedStep] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        first = caches[0]
+        self.scratch_window = first.window.shape[0] - 1
+        states = [s for c in caches for s in c.state.values()]
+        self.scratch_slot = states[0].scratch_slot if states else 0
+
+    def run(self, input_ids, positions: list[int], context_lens: list[int],
+            state_slots: list[int], tables: dict[str, list[list[int]]]) -> torch.Tensor:
+        """One step of S = len(positions) sequences: input_ids (a list, or a device tensor [S]
+        such as the previous round's samples), each sequence's position (= its context length:
+        the tokens cached before this one), state slot and block tables (lists of block ids per
+        kind, "window" / "csa" / "hca")."""
+        S = len(positions)
+        if not S or len(context_lens) != S or len(state_slots) != S:
+            raise ValueError(f"decode graphs: positions, context_lens and state_slots must have "
+                             f"one entry a sequence (>= 1), got {S}, {len(context_lens)}, "
+                             f"{len(state_slots)}")
+        widths = {k: width_bucket(max(len(t) for t in tables[k])) for k in KINDS}
+        key = (row_bucket(S), tuple(widths[k] for k in KINDS))
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = FixedStep(key[0], widths, self.device)
+            if self.cuda:
+                self._capture(step)
+        self._fill(step, input_ids, positions, context_lens, state_slots, tables)
+        if not self.cuda:
+            return self.net(step.batch(), self.caches)[:S]
+        step.graph.replay()
+        return step.logits[:S]
+
+    def _fill(self, step: FixedStep, input_ids, positions, context_lens, state_slots,
+              tables) -> None:
+        """The step's inputs into the class's fixed tensors; rows past S are padding."""
+        n, S = step.rows, len(positions)
+        pad = n - S
+        meta = [list(positions) + [0] * pad, list(context_lens) + [0] * pad,
+                list(state_slots) + [self.scratch_slot] * pad]
+        step.meta.copy_(host_tensor(meta, self.device), non_blocking=True)
+        if isinstance(input_ids, torch.Tensor):
+            step.ids[:S].copy_(input_ids.view(-1), non_blocking=True)
+            if pad:
+                step.ids[S:].zero_()
+        else:
+            step.ids.copy_(host_tensor(list(input_ids) + [0] * pad, self.device),
+                           non_blocking=True)
+        for k in KINDS:
+            w = step.widths[k]
+            pad_row = [self.scratch_window if k == "window" else -1] + [-1] * (w - 1)
+            rows = [list(t) + [-1] * (w - len(t)) for t in tables[k]] + [pad_row] * pad
+            step.tables[k].copy_(host_tensor(rows, self.device, torch.int32), non_blocking=True)
+
+    def _capture(self, step: FixedStep) -> None:
+        """Capture the class's graph on padding rows alone (every write to scratch); warm-up
+        runs first, on a side stream, as torch asks. Capturing synchronises the device (torch
+        does, on entry), once a class: the engine's sync guard (torch's sync debug mode) is
+        lifted for it."""
+        self._fill(step, [], [], [], [], {k: [] for k in KINDS})
+        guard = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.net(step.batch(), self.caches)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            step.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(step.graph, pool=self.pool):
+                step.logits = self.net(step.batch(), self.caches)
+        finally:
+            torch.cuda.set_sync_debug_mode(guard)
