@@ -87,13 +87,31 @@ def test_malformed_chat_and_unknown_model(llm):
         LLM("/nonexistent/checkpoint", device="cpu")
 
 
+def test_decode_graphs_give_the_same_tokens(llm, gen):
+    """LLM(decode_graphs=True): decode rounds in fixed shapes (on a GPU, CUDA graphs; here the
+    same form eagerly) sample what the default CPU path samples."""
+    fixed = LLM("dummy", device="cpu", max_num_seqs=8, max_model_len=128, seed=3,
+                decode_graphs=True)
+    seeds = torch.randint(0, 2**31, (4,), generator=gen).tolist()
+    params = [SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=s, ignore_eos=True)
+              for s in seeds]
+    prompts = ["Hello", [5, 6, 7, 8], "The capital of France is", "A"]
+    want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in fixed.generate(prompts, params, use_tqdm=False)] == want
+    assert fixed.engine.runner.graphs.steps and llm.engine.runner.graphs is None
+
+
 def test_cli_generate_prints_jsonl():
-    out = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "Hello", "Bonjour",
-                          "--max-tokens", "3", "--ignore-eos", "--quiet"],
-                         capture_output=True, text=True, check=True, timeout=300).stdout
-    rows = [json.loads(line) for line in out.splitlines()]
+    outs = []
+    for flags in ([], ["--eager"]):  # (--eager: no CUDA graphs; on the CPU the same path)
+        out = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "Hello", "Bonjour",
+                              "--max-tokens", "3", "--ignore-eos", "--quiet", *flags],
+                             capture_output=True, text=True, check=True, timeout=300).stdout
+        outs.append([json.loads(line) for line in out.splitlines()])
+    rows = outs[0]
     assert [r["prompt"] for r in rows] == ["Hello", "Bonjour"]
     assert all(len(r["token_ids"]) == 3 and r["finish_reason"] == "length" for r in rows)
+    assert outs[1] == rows
 
 
 def test_cli_rejects_bad_input():

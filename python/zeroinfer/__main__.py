@@ -17,6 +17,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync", action="store_true", help="disable the zero-overhead async pipeline")
+    p.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs: decode rounds run op by op")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -34,7 +36,8 @@ def _llm(a):
 
     return LLM(a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
                max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
-               seed=a.seed, async_scheduling=not a.sync)
+               seed=a.seed, async_scheduling=not a.sync,
+               decode_graphs=False if a.eager else None)
 
 
 def _params(a):

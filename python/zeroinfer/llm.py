@@ -42,13 +42,15 @@ class LLM:
     dtype: "auto" (bf16 on CUDA, float32 on CPU), torch.float32 or torch.bfloat16.
     kv_cache_bytes: the KV-cache memory budget (default: room for max_num_seqs sequences of
     max_model_len tokens). async_scheduling: the zero-overhead one-round-ahead pipeline.
+    decode_graphs: decode rounds replayed from CUDA graphs (None: on CUDA; False: eager).
     """
 
     def __init__(self, model: str = "dummy", *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "auto", max_num_seqs: int = 64,
                  max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
                  kv_cache_bytes: int | None = None, seed: int = 0, async_scheduling: bool = True,
-                 forbid_host_sync: bool = False, tokenizer: object | None = "auto") -> None:
+                 forbid_host_sync: bool = False, decode_graphs: bool | None = None,
+                 tokenizer: object | None = "auto") -> None:
         dev = _resolve_device(device)
         if dtype == "auto":
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -63,7 +65,7 @@ class LLM:
         cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            max_num_batched_tokens=max_num_batched_tokens,
                            kv_cache_bytes=kv_cache_bytes, async_scheduling=async_scheduling,
-                           forbid_host_sync=forbid_host_sync)
+                           forbid_host_sync=forbid_host_sync, decode_graphs=decode_graphs)
         self.engine = LLMEngine(self.model, cfg, seed=seed, tokenizer=tokenizer)
 
     # --- helpers ----------------------------------------------------------------------------
