@@ -1,8 +1,9 @@
-"""Benchmark the indexer's top-k (model.attention.top_entries: torch.topk over order-preserving
-int64 keys, ties by the lower entry) against the stable descending sort it replaced, at V4's
+"""Benchmark the indexer's top-k selection (model.attention.select_top: torch.topk over
+order-preserving int64 keys, ties by the lower entry) against the stable descending sort, at V4's
 decode shapes: one query a sequence, 2k-32k compressed entries a sequence (CSA rate 4: 8k-128k
 tokens of context), the top 512, float32 scores with many exact zeros (ReLU) and -inf past what
-a query sees. Both give the same indices (asserted first).
+a query sees. Both give the same indices (asserted first). model.attention.top_entries takes
+whichever is faster where (TOPK_SELECT_MIN_CUDA): this benchmark is what that choice rests on.
 
   python bench/bench_indexer_topk.py                 # CPU
   python bench/bench_indexer_topk.py --device cuda   # CUDA
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroinfer.model.attention import top_entries
+from zeroinfer.model.attention import select_top
 from zeroinfer.testing import bench
 
 TOPK = 512
@@ -40,9 +41,9 @@ def main() -> None:
             scores = scores_like_the_indexer(gen, queries, n).to(dev)
             sort = lambda: torch.sort(scores, dim=-1, descending=True,  # noqa: E731
                                       stable=True).indices[:, :TOPK]
-            assert torch.equal(top_entries(scores, TOPK), sort())
+            assert torch.equal(select_top(scores, TOPK), sort())
             row = bench.small_op_row(
-                lambda: top_entries(scores, TOPK), lambda: top_entries(scores, TOPK), sort,
+                lambda: select_top(scores, TOPK), lambda: select_top(scores, TOPK), sort,
                 bytes_moved=scores.numel() * 4 + queries * TOPK * 8, ceilings=ceilings,
                 cuda=cuda)
             rows.append({"queries": queries, "entries": n, "k": TOPK, **row})

@@ -22,14 +22,28 @@ from zeroinfer.model.rope import RopeTables, apply_rope
 INDEX_SCORES_MAX_BYTES = 256 << 20
 
 
+# Below this many scores a CUDA top-k is the stable sort: on an H100 (bench_indexer_topk.py,
+# h100-80gb-hbm3/indexer_topk.json) the selection's int64 radix passes took 54 us for 1 x 2048
+# scores against the sort's 34, and lost up to 1M scores; it won only at 128 x 32768 (1.4x).
+# On the CPU the selection is 1.7-3.5x faster from 8 queries or 8k entries (cpu-2core/).
+TOPK_SELECT_MIN_CUDA = 1 << 22
+
+
 def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The k largest of each row of scores [R, N] float32, as entry indices [R, k] int64 in
-    descending order, equal scores by the lower index (-0 and +0 equal) - a stable descending
-    sort's first k, by a selection instead of a sort. ReLU scores are often exactly 0, so ties
-    are real, and the choice must not depend on anything but the row (chunked prefill, batch
-    composition). Each score becomes a unique int64 key, its float bits made order-preserving
-    as a signed int in the high half and the inverted index in the low half, so torch.topk's
-    choice and order are fully determined."""
+    descending order, equal scores by the lower index (-0 and +0 equal): a stable descending
+    sort's first k. ReLU scores are often exactly 0, so ties are real, and the choice must not
+    depend on anything but the row (chunked prefill, batch composition). By the sort itself or
+    by select_top, whichever is faster where (TOPK_SELECT_MIN_CUDA); both give these indices."""
+    if scores.is_cuda and scores.numel() < TOPK_SELECT_MIN_CUDA:
+        return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    return select_top(scores, k)
+
+
+def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """top_entries by a selection instead of a sort: each score becomes a unique int64 key, its
+    float bits made order-preserving as a signed int in the high half and the inverted index in
+    the low half, so torch.topk's choice and order are fully determined."""
     bits = (scores + 0.0).view(torch.int32)  # (+ 0.0: -0 -> +0)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
     low = 0xFFFFFFFF - torch.arange(scores.shape[-1], device=scores.device)
@@ -262,9 +276,9 @@ class Compressor(nn.Module):
                 win, slot = wins.saved
                 ca_kv[win] = state.overlap_kv[slot].to(ck.dtype)
                 ca_gate[win] = state.overlap_gate[slot].to(cg.dtype)
-            if wins.fresh is not None:
-                ca_kv[wins.fresh] = 0.0
-                ca_gate[wins.fresh] = float("-inf")
+            if wins.fresh is not None:  # (index_fill_: a Python scalar, no host-to-device copy)
+                ca_kv.index_fill_(0, wins.fresh, 0.0)
+                ca_gate.index_fill_(0, wins.fresh, float("-inf"))
             state.overlap_kv[wins.last_slots] = ck[..., :w][wins.last].float()
             state.overlap_gate[wins.last_slots] = cg[..., :w][wins.last].float()
             ck = torch.cat([ca_kv, ck[..., w:]], dim=1)
