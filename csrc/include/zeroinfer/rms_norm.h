@@ -40,8 +40,9 @@ ZI_HD float rms_factor(float sum_sq, int64_t dim, float eps) {
 }
 
 // An output element before its cast to x's dtype, from x's element v: w * (v * r) weighted (w
-// the weight's element), v * rt unweighted (rt = r rounded to x's dtype). Every form of the
-// kernels (the CPU twin, the CUDA rows element by element or 8 / a batch at a time) uses it.
+// the weight's element), v * rt unweighted (rt = r rounded to x's dtype). The CPU twin and the
+// CUDA rows element by element or 8 at a time use it; the CUDA CTA kernel's batches spell it out
+// (csrc/cuda/rms_norm.cu says why).
 ZI_HD float rms_scaled(float v, bool weighted, float w, float r, float rt) {
   return weighted ? mul_rn(w, mul_rn(v, r)) : mul_rn(v, rt);
 }
