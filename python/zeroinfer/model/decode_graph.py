@@ -79,7 +79,7 @@ class DecodeGraphs:
         first = caches[0]
         self.scratch_window = first.window.shape[0] - 1
         states = [s for c in caches for s in c.state.values()]
-        self.scratch_slot = states[0].scratch_slot if states else 0
+        self.scratch_slot = states[0].scratch_slot if states else 0  # (none: slots unused)
 
     def run(self, input_ids, positions: list[int], context_lens: list[int],
             state_slots: list[int], tables: dict[str, list[list[int]]]) -> torch.Tensor:
