@@ -44,7 +44,8 @@ def _one(model, batch: int, input_len: int, output_len: int, async_on: bool,
     gaps = ModelRunner.idle_gaps(decode_rounds)
     n = max(1, eng.rounds)
     row = {
-        "batch": batch, "async": async_on, "graphs": graphs, "input_len": input_len, "output_len": output_len,
+        "batch": batch, "async": async_on, "graphs": graphs, "input_len": input_len,
+        "output_len": output_len,
         "decode_tokens_per_s": batch * (output_len - 1) / wall,
         "idle_gap_us_median": statistics.median(gaps) * 1e6 if gaps else None,
         "idle_gap_us_mean": statistics.fmean(gaps) * 1e6 if gaps else None,
@@ -98,8 +99,8 @@ def run_engine_bench(a) -> None:
         for async_on, graphs in modes:
             rows.append(_one(model, b, a.input_len, a.output_len, async_on, graphs))
             print(rows[-1], flush=True)
-    cols = ["batch", "async", "graphs", "decode_tokens_per_s", "idle_gap_us_median", "idle_gap_us_mean",
-            "schedule_us_per_round", "commit_us_per_round", "rounds"]
+    cols = ["batch", "async", "graphs", "decode_tokens_per_s", "idle_gap_us_median",
+            "idle_gap_us_mean", "schedule_us_per_round", "commit_us_per_round", "rounds"]
     bench.print_table(rows, cols)
     kv = kv_layout_rows(model, EngineConfig(max_num_seqs=8, max_model_len=4096))
     bench.print_table(kv, ["kind", "bytes_per_token", "theoretical_bytes_per_token", "ratio"])
