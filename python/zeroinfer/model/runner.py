@@ -107,11 +107,13 @@ class Model:
         return torch.cat(out)
 
     def greedy(self, token_ids, max_new_tokens: int) -> list[int]:
-        """Prefill, then one token at a time through the cache; returns the new tokens."""
+        """Prefill, then one token at a time through the cache (on CUDA each step a CUDA
+        graph's replay); returns the new tokens."""
         ids = self._check_ids(token_ids)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        r = self.runner(max_seqs=1, max_len=len(ids) + max_new_tokens)
+        r = self.runner(max_seqs=1, max_len=len(ids) + max_new_tokens,
+                        decode_graphs=self.device.type == "cuda")
         nxt = int(r.step({0: ids})[0][-1].argmax())
         out = [nxt]
         while len(out) < max_new_tokens:
