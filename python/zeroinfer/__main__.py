@@ -19,6 +19,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", action="store_true", help="disable the zero-overhead async pipeline")
     p.add_argument("--eager", action="store_true",
                    help="no CUDA graphs: decode rounds run op by op")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: K=V caches in the V4 FP8 layout (584 bytes a vector)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +39,7 @@ def _llm(a):
     return LLM(a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
                max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
                seed=a.seed, async_scheduling=not a.sync,
-               decode_graphs=False if a.eager else None)
+               decode_graphs=False if a.eager else None, kv_cache_dtype=a.kv_cache_dtype)
 
 
 def _params(a):

@@ -43,6 +43,8 @@ class LLM:
     kv_cache_bytes: the KV-cache memory budget (default: room for max_num_seqs sequences of
     max_model_len tokens). async_scheduling: the zero-overhead one-round-ahead pipeline.
     decode_graphs: decode rounds replayed from CUDA graphs (None: on CUDA; False: eager).
+    kv_cache_dtype: "auto" (the activation dtype) or "fp8" (the V4 FP8 layout, 584 bytes a
+    K=V vector).
     """
 
     def __init__(self, model: str = "dummy", *, dtype: str | torch.dtype = "auto",
@@ -50,7 +52,7 @@ class LLM:
                  max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
                  kv_cache_bytes: int | None = None, seed: int = 0, async_scheduling: bool = True,
                  forbid_host_sync: bool = False, decode_graphs: bool | None = None,
-                 tokenizer: object | None = "auto") -> None:
+                 kv_cache_dtype: str = "auto", tokenizer: object | None = "auto") -> None:
         dev = _resolve_device(device)
         if dtype == "auto":
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -65,7 +67,8 @@ class LLM:
         cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            max_num_batched_tokens=max_num_batched_tokens,
                            kv_cache_bytes=kv_cache_bytes, async_scheduling=async_scheduling,
-                           forbid_host_sync=forbid_host_sync, decode_graphs=decode_graphs)
+                           forbid_host_sync=forbid_host_sync, decode_graphs=decode_graphs,
+                           kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(self.model, cfg, seed=seed, tokenizer=tokenizer)
 
     # --- helpers ----------------------------------------------------------------------------

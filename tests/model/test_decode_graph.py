@@ -29,14 +29,14 @@ def _caches_real(runner):
     return out
 
 
-def _drive(model, gen, steps: int, check):
+def _drive(model, gen, steps: int, check, kv_fp8: bool = False):
     """Two runners over one model, eager and decode-graph: random prompts (1-30 tokens; the
     first shorter than a CSA window) for four sequences, then `steps` decode steps, each with
     a random subset of them (so the row bucket changes and padding rows appear);
     check(eager_logits, graph_logits) each step."""
     c = model.config
     V = c.vocab_size
-    kw = dict(max_seqs=4, max_len=40 + steps)
+    kw = dict(max_seqs=4, max_len=40 + steps, kv_fp8=kv_fp8)
     eager, graphs = model.runner(**kw), model.runner(decode_graphs=True, **kw)
     # sequence 0's prompt is shorter than a CSA window: its first windows close in decode
     longest = [c.csa_rate, 31, 31, 31]
@@ -54,7 +54,8 @@ def _drive(model, gen, steps: int, check):
     return eager, graphs
 
 
-def test_decode_graph_bits_equal_eager(gen, torch_threads):
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["float-cache", "fp8-cache"])
+def test_decode_graph_bits_equal_eager(gen, torch_threads, kv_fp8):
     model = load("dummy:tiny-yarn", seed=int(torch.randint(0, 1000, (1,), generator=gen)))
     c = model.config
     steps = 3 * c.hca_rate + 5  # every sequence closes windows of both rates, some twice
@@ -62,7 +63,7 @@ def test_decode_graph_bits_equal_eager(gen, torch_threads):
     def check(a, b):
         assert torch.equal(a, b)
 
-    eager, graphs = _drive(model, gen, steps, check)
+    eager, graphs = _drive(model, gen, steps, check, kv_fp8)
     for x, y in zip(_caches_real(eager), _caches_real(graphs)):
         assert torch.equal(x, y)
     assert graphs.graphs.steps, "the decode-graph runner never took its fixed-shape path"

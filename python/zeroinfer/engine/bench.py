@@ -60,7 +60,7 @@ def _one(model, batch: int, input_len: int, output_len: int, async_on: bool,
 def kv_layout_rows(model, cfg: EngineConfig) -> list[dict]:
     """Allocated bytes per cached token of each kind vs. the layout's theoretical size."""
     eng = LLMEngine(model, cfg)
-    theory = kv_bytes_per_token(model)
+    theory = kv_bytes_per_token(model, cfg.kv_cache_dtype)
     caches = eng.runner.caches
     rows = []
     for kind, attr, tokens_per_unit, blocks_attr in (

@@ -23,6 +23,7 @@ from zeroinfer.engine.scheduler import ScheduledBatch, Scheduler
 from zeroinfer.model import Model
 from zeroinfer.model.cache import CacheSpec, allocate_caches
 from zeroinfer.model.config import CSA, HCA
+from zeroinfer.quant import kv_fp8
 from zeroinfer.sampling_params import SamplingParams
 
 
@@ -40,6 +41,9 @@ class EngineConfig:
     # Decode rounds (one new token a row) in fixed shapes (model/decode_graph.py): replayed
     # CUDA graphs on a GPU. None: on CUDA only (on the CPU the fixed shapes only cost).
     decode_graphs: bool | None = None
+    # "auto": the K=V caches in the activation dtype; "fp8": in the V4 FP8 layout (584 bytes a
+    # vector: 448 e4m3 NoPE values with 7 power-of-two scales, 64 bf16 RoPE values).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "window_block_size",
@@ -47,23 +51,28 @@ class EngineConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be a positive int, got {v!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
 
 
-def kv_bytes_per_token(model: Model) -> dict[str, float]:
-    """Cache bytes one token costs, per kind, over all layers (the layout's theoretical size)."""
+def kv_bytes_per_token(model: Model, kv_cache_dtype: str = "auto") -> dict[str, float]:
+    """Cache bytes one token costs, per kind, over all layers (the layout's theoretical size).
+    kv_cache_dtype "fp8": a K=V vector takes the V4 FP8 layout's 584 bytes (the indexer's keys
+    stay in the activation dtype)."""
     c = model.config
     es = torch.finfo(model.net.dtype).bits // 8
+    kv = kv_fp8.BYTES_PER_TOKEN if kv_cache_dtype == "fp8" else c.head_dim * es
     n_csa = sum(t == CSA for t in c.layer_types)
     n_hca = sum(t == HCA for t in c.layer_types)
-    return {"window": c.num_hidden_layers * c.head_dim * es,
-            "csa": n_csa * (c.head_dim + c.index_head_dim) * es / c.csa_rate,
-            "hca": n_hca * c.head_dim * es / c.hca_rate}
+    return {"window": c.num_hidden_layers * kv,
+            "csa": n_csa * (kv + c.index_head_dim * es) / c.csa_rate,
+            "hca": n_hca * kv / c.hca_rate}
 
 
 def cache_spec(model: Model, cfg: EngineConfig) -> CacheSpec:
-    per_tok = kv_bytes_per_token(model)
+    per_tok = kv_bytes_per_token(model, cfg.kv_cache_dtype)
     c = model.config
     cdiv = lambda a, b: -(-a // b)  # noqa: E731
     if cfg.kv_cache_bytes is None:  # room for max_num_seqs sequences of max_model_len tokens
@@ -79,7 +88,8 @@ def cache_spec(model: Model, cfg: EngineConfig) -> CacheSpec:
         num_window_blocks=max(1, blocks[0]), num_csa_blocks=max(1, blocks[1]),
         num_hca_blocks=max(1, blocks[2]),
         num_state_slots=cfg.max_num_seqs, window_block_size=cfg.window_block_size,
-        csa_block_size=cfg.csa_block_size, hca_block_size=cfg.hca_block_size)
+        csa_block_size=cfg.csa_block_size, hca_block_size=cfg.hca_block_size,
+        kv_fp8=cfg.kv_cache_dtype == "fp8")
 
 
 class LLMEngine:

@@ -11,7 +11,8 @@ from torch import nn
 
 from zeroinfer import ops
 from zeroinfer.model.cache import (CompressorState, DecodeRows, ForwardBatch, LayerCache,
-                                  host_tensor, scratch_row, slots_of)
+                                  host_tensor, pool_block_size, scratch_slot, slots_of,
+                                  write_pool)
 from zeroinfer.model.config import CSA, HCA, SLIDING, ModelConfig
 from zeroinfer.model.linear import FusedLinears, Linear, empty_rows, pad_rows
 from zeroinfer.model.norm import rms_norm, rms_norm_unweighted
@@ -410,9 +411,9 @@ class Attention(nn.Module):
         kv = apply_rope(rms_norm(kv_x, self.kv_norm.weight, eps), cos, sin)
 
         # The window: write this step's K=V, then each query reads its last W positions.
-        B = cache.window.shape[1]
+        B = pool_block_size(cache.window)
         write, win_idx = batch.derived(("window", B), lambda: self._window_slots(batch, B))
-        cache.window.view(-1, d)[write] = kv.to(cache.window.dtype)
+        write_pool(cache.window, write, kv)
 
         extra_cache = extra_idx = None
         if self.compressor is not None:
@@ -465,25 +466,24 @@ class Attention(nn.Module):
         m = comp.rate
         csa = self.kind == CSA
         tables = batch.csa_tables if csa else batch.hca_tables
-        Bc = cache.comp.shape[1]
+        Bc = pool_block_size(cache.comp)
 
         def store(pool: torch.Tensor, compressor: Compressor, state: CompressorState, kv_all,
                   gate_all) -> None:
             """The step's new entries into pool, by one indexed write."""
-            flat = pool.view(-1, pool.shape[-1])
             if batch.decode is not None:  # every row writes: a window that stays open, scratch
                 entries, wins = compressor.compress_decode(kv_all, gate_all, batch, state, rope)
                 at = batch.derived(("decode_slots", m, csa, Bc), lambda: torch.where(
                     wins.closes, slots_of(tables, seq, torch.where(wins.closes, wins.index, 0),
-                                          Bc), scratch_row(pool)))
-                flat[at] = entries.to(pool.dtype)
+                                          Bc), scratch_slot(pool)))
+                write_pool(pool, at, entries)
                 return
             seqs, index, entries = compressor.compress_batch(kv_all, gate_all, batch, state, rope)
             if entries is not None:
                 dev = pool.device
                 at = batch.derived(("compress_slots", m, csa, Bc), lambda: slots_of(
                     tables, host_tensor(seqs, dev), host_tensor(index, dev), Bc))
-                flat[at] = entries.to(pool.dtype)
+                write_pool(pool, at, entries)
 
         store(cache.comp, comp, cache.state["compressor"], proj[0], proj[1])
         # Entries of each sequence after this step (n_max: the most; a fixed-shape decode step

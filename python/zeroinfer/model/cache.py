@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroinfer.model.config import CSA, HCA, ModelConfig
+from zeroinfer.quant import kv_fp8
 
 
 @dataclass(frozen=True)
@@ -39,29 +40,69 @@ class CacheSpec:
     window_block_size: int = 64
     csa_block_size: int = 64
     hca_block_size: int = 8
+    kv_fp8: bool = False  # K=V pools (window, compressed entries) in the V4 FP8 layout
+
+
+def kv_pool(blocks: int, block_size: int, dim: int, dtype: torch.dtype, device,
+            fp8: bool) -> torch.Tensor:
+    """A K=V pool of `blocks` blocks: [blocks, block_size, dim] in dtype, or with fp8 uint8
+    [blocks, block_size * 584] in the V4 FP8 layout (zeroinfer.quant.kv_fp8; dim must be 512),
+    which the attention reads as it is."""
+    if not fp8:
+        return torch.zeros(blocks, block_size, dim, dtype=dtype, device=device)
+    if dim != kv_fp8.HEAD_DIM:
+        raise ValueError(f"the FP8 KV layout holds {kv_fp8.HEAD_DIM}-dim vectors (448 NoPE + 64 "
+                         f"RoPE), this model's head_dim is {dim}")
+    return torch.zeros(blocks, block_size * kv_fp8.BYTES_PER_TOKEN, dtype=torch.uint8,
+                       device=device)
+
+
+def pool_block_size(pool: torch.Tensor) -> int:
+    """Slots a block of a pool (either layout) holds."""
+    return pool.shape[1] // kv_fp8.BYTES_PER_TOKEN if pool.dtype == torch.uint8 else pool.shape[1]
+
+
+def write_pool(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """values [n, dim] into pool's flat slots [n] (block * block_size + offset), by indexed
+    writes: cast to the pool's dtype, or quantized per token into the FP8 layout (its 576-byte
+    row and its 8 scale bytes sit apart in the block)."""
+    if pool.dtype != torch.uint8:
+        pool.view(-1, pool.shape[-1])[slots] = values.to(pool.dtype)
+        return
+    q = kv_fp8.quantize_kv_fp8(values.unsqueeze(1)).squeeze(1)  # [n, 584]: row, then scales
+    rows, scales = kv_fp8.split_fp8_cache(pool)
+    bs = rows.shape[1]
+    block, offset = torch.div(slots, bs, rounding_mode="floor"), slots % bs
+    rows[block, offset] = q[:, :kv_fp8.ROW_BYTES]
+    scales[block, offset] = q[:, kv_fp8.ROW_BYTES:]
 
 
 class LayerCache:
     """One layer's pools. Tensors are preallocated once; the forward writes into them. Each
-    pool's last block is the scratch block (the module doc)."""
+    pool's last block is the scratch block (the module doc). The K=V pools (window, comp) are
+    in the activation dtype or the V4 FP8 layout (spec.kv_fp8); the indexer's keys and the
+    compressor states stay in theirs."""
 
     def __init__(self, config: ModelConfig, layer: int, spec: CacheSpec, dtype: torch.dtype,
                  device: torch.device) -> None:
         d, kind = config.head_dim, config.layer_types[layer]
         kw = dict(dtype=dtype, device=device)
         self.kind = kind
-        self.window = torch.zeros(spec.num_window_blocks + 1, spec.window_block_size, d, **kw)
+        self.window = kv_pool(spec.num_window_blocks + 1, spec.window_block_size, d, dtype, device,
+                              spec.kv_fp8)
         self.comp = self.index = None
         self.state: dict[str, CompressorState] = {}
         if kind == CSA:
-            self.comp = torch.zeros(spec.num_csa_blocks + 1, spec.csa_block_size, d, **kw)
+            self.comp = kv_pool(spec.num_csa_blocks + 1, spec.csa_block_size, d, dtype, device,
+                                spec.kv_fp8)
             self.index = torch.zeros(spec.num_csa_blocks + 1, spec.csa_block_size,
                                      config.index_head_dim, **kw)
             self.state["compressor"] = CompressorState(spec.num_state_slots, config.csa_rate, d, True, device)
             self.state["indexer"] = CompressorState(spec.num_state_slots, config.csa_rate,
                                                     config.index_head_dim, True, device)
         elif kind == HCA:
-            self.comp = torch.zeros(spec.num_hca_blocks + 1, spec.hca_block_size, d, **kw)
+            self.comp = kv_pool(spec.num_hca_blocks + 1, spec.hca_block_size, d, dtype, device,
+                                spec.kv_fp8)
             self.state["compressor"] = CompressorState(spec.num_state_slots, config.hca_rate, d, False, device)
 
 
@@ -158,9 +199,9 @@ def host_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64) 
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def scratch_row(pool: torch.Tensor) -> int:
-    """The flat row ([blocks * block_size, ...] view) of a pool's scratch: its last."""
-    return pool.shape[0] * pool.shape[1] - 1
+def scratch_slot(pool: torch.Tensor) -> int:
+    """The flat slot (block * block_size + offset) of a pool's scratch: its last."""
+    return pool.shape[0] * pool_block_size(pool) - 1
 
 
 def slots_of(tables: torch.Tensor, seq: torch.Tensor, index: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -18,9 +18,11 @@ from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 class PagedRunner:
     def __init__(self, net: DeepseekV4ForCausalLM, *, max_seqs: int = 4, max_len: int = 1024,
                  window_block_size: int = 16, csa_block_size: int = 8, hca_block_size: int = 2,
-                 device: torch.device | str | None = None, decode_graphs: bool = False) -> None:
+                 device: torch.device | str | None = None, decode_graphs: bool = False,
+                 kv_fp8: bool = False) -> None:
         """decode_graphs: run steps where every sequence has one new token through
-        DecodeGraphs (CUDA graphs on a GPU; the same fixed-shape forward eagerly on the CPU)."""
+        DecodeGraphs (CUDA graphs on a GPU; the same fixed-shape forward eagerly on the CPU).
+        kv_fp8: the K=V caches in the V4 FP8 layout (CacheSpec.kv_fp8)."""
         c = net.config
         self.net, self.max_len, self.max_seqs = net, max_len, max_seqs
         self.device = torch.device(device) if device else next(net.parameters()).device
@@ -28,7 +30,7 @@ class PagedRunner:
         self.nc = max(1, math.ceil(max_len // c.csa_rate / csa_block_size))
         self.nh = max(1, math.ceil(max_len // c.hca_rate / hca_block_size))
         self.spec = CacheSpec(self.nw * max_seqs, self.nc * max_seqs, self.nh * max_seqs, max_seqs,
-                              window_block_size, csa_block_size, hca_block_size)
+                              window_block_size, csa_block_size, hca_block_size, kv_fp8)
         self.caches = allocate_caches(c, self.spec, net.dtype, self.device)
         # Blocks are handed out in reverse order inside each slot's range so that a test of
         # the paging cannot pass by accident on identity tables.
