@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--batch-sizes", default="1,8,32", help="comma-separated decode batch sizes")
     b.add_argument("--input-len", type=int, default=32)
     b.add_argument("--output-len", type=int, default=32)
+    b.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     b.add_argument("--out-dir", default=None, help="results root (default bench/results)")
     b.set_defaults(fn=cmd_bench)
     a = ap.parse_args(argv)

@@ -22,10 +22,11 @@ from zeroinfer.testing import bench
 
 
 def _one(model, batch: int, input_len: int, output_len: int, async_on: bool,
-         graphs: bool) -> dict:
+         graphs: bool, kv_cache_dtype: str) -> dict:
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=input_len + output_len + 1,
                        max_num_batched_tokens=max(batch * input_len, batch),
-                       async_scheduling=async_on, decode_graphs=graphs)
+                       async_scheduling=async_on, decode_graphs=graphs,
+                       kv_cache_dtype=kv_cache_dtype)
     eng = LLMEngine(model, cfg, seed=0)
     eng.runner.timing = True
     eng.history = []
@@ -97,15 +98,18 @@ def run_engine_bench(a) -> None:
     modes = [(False, cuda), (True, cuda)] + ([(True, False)] if cuda else [])
     for b in sizes:
         for async_on, graphs in modes:
-            rows.append(_one(model, b, a.input_len, a.output_len, async_on, graphs))
+            rows.append(_one(model, b, a.input_len, a.output_len, async_on, graphs,
+                             a.kv_cache_dtype))
             print(rows[-1], flush=True)
     cols = ["batch", "async", "graphs", "decode_tokens_per_s", "idle_gap_us_median",
             "idle_gap_us_mean", "schedule_us_per_round", "commit_us_per_round", "rounds"]
     bench.print_table(rows, cols)
-    kv = kv_layout_rows(model, EngineConfig(max_num_seqs=8, max_model_len=4096))
+    kv = kv_layout_rows(model, EngineConfig(max_num_seqs=8, max_model_len=4096,
+                                            kv_cache_dtype=a.kv_cache_dtype))
     bench.print_table(kv, ["kind", "bytes_per_token", "theoretical_bytes_per_token", "ratio"])
     device = "cuda" if dev.startswith("cuda") else "cpu"
     path = bench.write_results("engine", rows, device=device,
-                               extra={"model": a.model, "dtype": str(dtype), "kv_layout": kv},
+                               extra={"model": a.model, "dtype": str(dtype), "kv_layout": kv,
+                                      "kv_cache_dtype": a.kv_cache_dtype},
                                out_dir=Path(a.out_dir) if a.out_dir else None)
     print(f"wrote {path}")
