@@ -232,17 +232,19 @@ class Compressor(nn.Module):
         """compress_batch's fixed-shape form, for a decode step (batch.decode: one new token a
         row, the lengths on the device): every row's window is pooled as if it closed, and the
         caller keeps the entries of those that do (DecodeWindows.closes); the new token goes to
-        the state's buffer at its row. For a window that closes that is row m - 1, which no
-        window reads (the next one starts at row 0). No shape or write count depends on the
+        the state's buffer at its row. For a window that closes that is row m - 1, which the
+        next window does not read (it starts at row 0). No shape or write count depends on the
         lengths, so a CUDA graph can hold it; the Ca half of a window that does not close goes
         to the scratch slot. The entries that close have compress_batch's bits (a window's
         operations are its own). Returns (entries [S, width], the rows' DecodeWindows)."""
         m, w, slot = self.rate, self.width, batch.decode.state_slots
         wins = batch.derived(("decode_windows", m), lambda: DecodeWindows(batch.decode, m))
-        ck = torch.cat([state.buf_kv[slot, :m - 1].to(kv_all.dtype), kv_all[:, None]], dim=1)
-        cg = torch.cat([state.buf_gate[slot, :m - 1].to(gate_all.dtype), gate_all[:, None]],
-                       dim=1)
-        cg = cg + self.position_bias
+        # The new token into the buffer first: a closing window's rows are then all there (the
+        # float32 copy of a projection casts back to its own bits).
+        state.buf_kv[slot, wins.held] = kv_all.float()
+        state.buf_gate[slot, wins.held] = gate_all.float()
+        ck = state.buf_kv[slot].to(kv_all.dtype)
+        cg = state.buf_gate[slot].to(gate_all.dtype) + self.position_bias
         if self.overlap:  # the Ca half before: the state's where a complete window precedes
             saved = wins.saved[:, None, None]
             ca_kv = torch.where(saved, state.overlap_kv[slot].to(ck.dtype), 0.0)
@@ -252,10 +254,7 @@ class Compressor(nn.Module):
             state.overlap_gate[keep] = cg[..., :w].float()
             ck = torch.cat([ca_kv, ck[..., w:]], dim=1)
             cg = torch.cat([ca_gate, cg[..., w:]], dim=1)
-        entries = self._entries(ck, cg, wins.cos_sin(rope, ck.dtype))
-        state.buf_kv[slot, wins.held] = kv_all.float()  # (after the reads above)
-        state.buf_gate[slot, wins.held] = gate_all.float()
-        return entries, wins
+        return self._entries(ck, cg, wins.cos_sin(rope, ck.dtype)), wins
 
     def _pool_windows(self, kv_all: torch.Tensor, gate_all: torch.Tensor, wins: ClosingWindows,
                       state: CompressorState, rope: RopeTables) -> torch.Tensor:
