@@ -4,6 +4,7 @@ sets the decode rate (bench/results/h200/README.md, engine.json). Runs anywhere;
 not depend on the device.
 
   python3 bench/probe_decode_ops.py [--model dummy] [--batches 1,8] [--top 15] [--launches]
+                                    [--graphs]
 
 --launches counts instead what would launch a GPU kernel (aten ops past views and allocations,
 and calls into zeroinfer._C), by site - on the CPU, so the ops' CPU-only value checks count too.
@@ -28,6 +29,11 @@ together, 600 / 600 / 533 with moe_route and FusedLinears, 567 / 567 / 500 (703 
 with the compressors' per-step plan shared by every compressor of a rate and every closing window
 pooled at once, 585 / 585 / 518 with the indexer's top-k a selection over int64 keys (9 torch
 calls a CSA layer where the sort was 1; session 39).
+
+--graphs (session 40): the engine's decode rounds in fixed shapes, which a GPU replays from one
+CUDA graph: 444 launches every round at batch 1 and 8 (the eager rounds: 331 / 331 / 443 / 331),
+61 of them the compressors' fixed-shape pooling (compress_decode: every row's window pooled every
+step) and 15 its _entries - a fused compress kernel's share.
 """
 
 from __future__ import annotations
@@ -123,10 +129,13 @@ class LaunchCounter(TorchDispatchMode):
 
 
 def count_decode_step(model, batch: int, prompt_len: int = 32, rounds: int = 1,
-                      counter_type=CallCounter) -> list[collections.Counter[str]]:
-    """The calls of `rounds` consecutive decode rounds, one counter a round."""
+                      counter_type=CallCounter,
+                      graphs: bool = False) -> list[collections.Counter[str]]:
+    """The calls of `rounds` consecutive decode rounds, one counter a round (graphs: the
+    rounds in fixed shapes, as the engine captures them on a GPU)."""
     cfg = EngineConfig(max_num_seqs=batch, max_model_len=prompt_len + rounds + 8,
-                       max_num_batched_tokens=batch * prompt_len, async_scheduling=False)
+                       max_num_batched_tokens=batch * prompt_len, async_scheduling=False,
+                       decode_graphs=graphs)
     engine = LLMEngine(model, cfg, seed=0)
     if engine.runner.emulated is not None:  # run the CPU "device" inline, in the mode's sight
         engine.runner.emulated.submit = lambda fn: fn()
@@ -154,6 +163,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--launches", action="store_true",
                     help="count what would launch a GPU kernel (LaunchCounter), not torch calls")
+    ap.add_argument("--graphs", action="store_true",
+                    help="the decode rounds in fixed shapes (model/decode_graph.py): what one "
+                         "CUDA graph replays a round on a GPU, plus the round's eager work")
     args = ap.parse_args()
     what = "kernel launches" if args.launches else "torch calls"
     counter_type = LaunchCounter if args.launches else CallCounter
@@ -162,7 +174,8 @@ def main() -> None:
     # (the prompts share a length, so they close together) pools, the others only buffer.
     rounds = model.config.csa_rate
     for batch in (int(b) for b in args.batches.split(",")):
-        per_round = count_decode_step(model, batch, rounds=rounds, counter_type=counter_type)
+        per_round = count_decode_step(model, batch, rounds=rounds, counter_type=counter_type,
+                                      graphs=args.graphs)
         totals = [sum(c.values()) for c in per_round]
         sites = sum(per_round, collections.Counter())
         print(f"batch {batch}: {sum(totals) / rounds:.0f} {what} a decode step, mean of "
