@@ -47,8 +47,9 @@ def test_fp8_cache_holds_the_quantized_vectors(name, gen):
         assert torch.equal(dequantize_kv_fp8(p_fp8[:-1]), want)
         assert want.abs().sum() > 0  # (something was written)
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-    assert cos.median() > 0.995, cos
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+    # (FP8's rounding moves the odd discrete choice - a router's or the indexer's top-k - so a
+    # few rows part more; the top-1 token of a random 129k vocabulary is too near-tied to count)
+    assert cos.median() > 0.995 and torch.quantile(cos, 0.25) > 0.99, cos
 
 
 def test_engine_sizes_fp8_pools_by_their_bytes():
