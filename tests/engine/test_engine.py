@@ -40,6 +40,8 @@ def run(model, work, *, async_scheduling: bool, kv_tokens: int, seed: int = 1, *
                        async_scheduling=async_scheduling,
                        decode_graphs=kw.get("decode_graphs"))
     eng = LLMEngine(model, cfg, seed=seed)
+    if "graph_rows" in kw:
+        eng.runner.graphs.max_rows = kw["graph_rows"]
     reqs = [eng.add_request(p, sp) for p, sp, _ in work]
     aborts = {r.request_id: a for r, (_, _, a) in zip(reqs, work) if a is not None}
     for r in reqs:
@@ -95,6 +97,10 @@ def test_decode_graphs_match_eager(model, seed):
     fixed, stats = run(model, work, async_scheduling=True, kv_tokens=160, max_num_seqs=8,
                        decode_graphs=True)
     assert fixed == eager
+    # decode rounds past the largest row bucket run eagerly, mixed with the fixed-shape ones
+    mixed, _ = run(model, work, async_scheduling=True, kv_tokens=160, max_num_seqs=8,
+                   decode_graphs=True, graph_rows=3)
+    assert mixed == eager
     assert stats["decode_classes"] > 0 and stats["preemptions"] > 0
 
 

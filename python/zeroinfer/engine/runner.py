@@ -199,7 +199,7 @@ class ModelRunner:
                 cu[1:] - cu[:-1] + self._tensor(host["ctx"], i32), positions, input_ids)
             input_ids, positions = fixed.input_ids, fixed.positions
         batch = handle.batch
-        if self.graphs is not None and batch.rows and all(
+        if self.graphs is not None and self.graphs.takes(len(batch.rows)) and all(
                 r.num_tokens == 1 and r.sample and not r.all_logits for r in batch.rows):
             # a decode round: one token a row, each sampled (model/decode_graph.py)
             logits = self.graphs.run(input_ids, host["pos"], host["ctx"], host["slots"],

@@ -75,11 +75,17 @@ class DecodeGraphs:
         self.net, self.caches, self.device = net, caches, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.steps: dict[tuple, FixedStep] = {}
+        self.max_rows = ROW_BUCKETS[-1]  # larger steps run eagerly (takes)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         first = caches[0]
         self.scratch_window = first.window.shape[0] - 1
         states = [s for c in caches for s in c.state.values()]
         self.scratch_slot = states[0].scratch_slot if states else 0  # (none: slots unused)
+
+    def takes(self, rows: int) -> bool:
+        """Whether a decode step of `rows` sequences has a class (the callers run larger ones
+        through the variable-shape forward)."""
+        return 1 <= rows <= self.max_rows
 
     def run(self, input_ids, positions: list[int], context_lens: list[int],
             state_slots: list[int], tables: dict[str, list[list[int]]]) -> torch.Tensor:

@@ -62,7 +62,8 @@ class PagedRunner:
             pos += range(self.lengths[s], self.lengths[s] + len(toks))
             cu.append(cu[-1] + len(toks))
             ctx.append(self.lengths[s])
-        if self.graphs is not None and len(ids) == len(slots):  # one new token each
+        if self.graphs is not None and len(ids) == len(slots) and self.graphs.takes(len(slots)):
+            # one new token each
             tables = {k: [self.host_tables[k][s] for s in slots] for k in self.host_tables}
             logits = self.graphs.run(ids, pos, ctx, slots, tables).clone()
             for s in slots:
