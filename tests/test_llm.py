@@ -20,6 +20,7 @@ def llm():
 def test_generate_text_and_ids_in_order(llm):
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in (3, 1, 5)]
     outs = llm.generate(["Hello", [5, 6, 7, 8], "The capital of France is"], params, use_tqdm=False)
+    assert llm.engine.blocks.all_free()  # a finished call holds no KV blocks
     assert [len(o.token_ids) for o in outs] == [3, 1, 5]
     assert [o.finish_reason for o in outs] == ["length"] * 3
     assert outs[0].prompt == "Hello" and outs[0].prompt_token_ids == llm.tokenizer.encode("Hello", add_bos=True)
@@ -101,6 +102,19 @@ def test_decode_graphs_give_the_same_tokens(llm, gen):
     assert fixed.engine.runner.graphs.steps and llm.engine.runner.graphs is None
 
 
+def test_fp8_kv_cache_option():
+    """LLM(kv_cache_dtype="fp8") serves from K=V caches in the V4 FP8 layout; anything but
+    "auto" / "fp8" is refused by name."""
+    llm = LLM("dummy", device="cpu", max_num_seqs=4, max_model_len=64, kv_cache_dtype="fp8")
+    assert llm.engine.spec.kv_fp8 and llm.engine.runner.caches[0].window.dtype == torch.uint8
+    out = llm.generate(["Hello", [5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [4, 4]
+    assert llm.engine.blocks.all_free()
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM("dummy", device="cpu", kv_cache_dtype="int8")
+
+
 def test_cli_generate_prints_jsonl():
     outs = []
     for flags in ([], ["--eager"]):  # (--eager: no CUDA graphs; on the CPU the same path)
@@ -108,6 +122,10 @@ def test_cli_generate_prints_jsonl():
                               "--max-tokens", "3", "--ignore-eos", "--quiet", *flags],
                              capture_output=True, text=True, check=True, timeout=300).stdout
         outs.append([json.loads(line) for line in out.splitlines()])
+    fp8 = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "Hello",
+                          "--max-tokens", "3", "--ignore-eos", "--quiet", "--kv-cache-dtype",
+                          "fp8"], capture_output=True, text=True, check=True, timeout=300).stdout
+    assert len(json.loads(fp8.splitlines()[0])["token_ids"]) == 3
     rows = outs[0]
     assert [r["prompt"] for r in rows] == ["Hello", "Bonjour"]
     assert all(len(r["token_ids"]) == 3 and r["finish_reason"] == "length" for r in rows)

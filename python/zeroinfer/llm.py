@@ -115,6 +115,9 @@ class LLM:
             done = self.engine.step()
             if bar is not None and done:
                 bar.update(len(done))
+        # the last rounds' blocks wait on their events (deferred release): give them back now,
+        # so that a finished call leaves every block free
+        self.engine.finish()
         if bar is not None:
             bar.close()
         return [self._output(p, r) for (p, _), r in zip(encoded, reqs)]
@@ -170,5 +173,5 @@ class LLM:
         req = self.engine.add_request(ids, SamplingParams(max_tokens=1), prompt_logits=True)
         while not req.finished:
             self.engine.step()
-        self.engine.drain()
+        self.engine.finish()
         return torch.cat([t.float() for t in req.prompt_logits]).cpu()
