@@ -64,6 +64,8 @@ def test_engine_sizes_fp8_pools_by_their_bytes():
     assert fp8.num_window_blocks > 3 * auto.num_window_blocks
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="decode_graphs"):
+        EngineConfig(decode_graphs="yes")
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -51,6 +51,9 @@ class EngineConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be a positive int, got {v!r}")
+        if self.decode_graphs is not None and not isinstance(self.decode_graphs, bool):
+            raise ValueError(f"decode_graphs must be None (on CUDA only), True or False, got "
+                             f"{self.decode_graphs!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
