@@ -79,7 +79,7 @@ def test_padding_rows_write_only_scratch(gen):
     before = [t.clone() for t in _caches_real(r)]
     dg = DecodeGraphs(model.net, r.caches, "cpu")
     step = FixedStep(4, {"window": 4, "csa": 2, "hca": 2}, torch.device("cpu"))
-    dg._fill(step, [], [], [], [], {"window": [], "csa": [], "hca": []})
+    dg._fill(step, [], [], [], {"window": [], "csa": [], "hca": []})
     logits = model.net(step.batch(), r.caches)
     assert torch.isfinite(logits).all()
     for x, y in zip(before, _caches_real(r)):

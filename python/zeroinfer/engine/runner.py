@@ -202,8 +202,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.takes(len(batch.rows)) and all(
                 r.num_tokens == 1 and r.sample and not r.all_logits for r in batch.rows):
             # a decode round: one token a row, each sampled (model/decode_graph.py)
-            logits = self.graphs.run(input_ids, host["pos"], host["ctx"], host["slots"],
-                                     host["tables"])
+            logits = self.graphs.run(input_ids, host["ctx"], host["slots"], host["tables"])
         else:  # every round runs the forward: prompt chunks that sample nothing fill the caches
             fb = ForwardBatch(
                 input_ids=input_ids.to(i64), positions=positions.to(i64), cu_seqlens=host["cu"],

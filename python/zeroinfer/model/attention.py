@@ -51,6 +51,14 @@ def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
     return ((ordered << 32) | low).topk(k, dim=-1).indices
 
 
+def chosen_slots(tables: torch.Tensor, seq: torch.Tensor, chosen: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """The cache slots [T, K] int32 of each query's chosen entries (chosen [T, K], entry
+    indices of the query's sequence seq[t]; -1 = none, kept)."""
+    slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), block_size)
+    return torch.where(chosen >= 0, slots, -1).to(torch.int32)
+
+
 class NormWeight(nn.Module):
     """A weighted RMSNorm's parameter (kept float32, as HF does)."""
 
@@ -439,9 +447,7 @@ class Attention(nn.Module):
         """HCA: every query's visible entries' slots [T, width] int32 (-1 = none)."""
         seq = batch.seq_of_token()
         chosen = torch.arange(width, device=seq.device)[None, :].expand(seq.shape[0], width)
-        chosen = torch.where(chosen < visible[:, None], chosen, -1)
-        slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), Bc)
-        return torch.where(chosen >= 0, slots, -1).to(torch.int32)
+        return chosen_slots(tables, seq, torch.where(chosen < visible[:, None], chosen, -1), Bc)
 
     def _window_slots(self, batch: ForwardBatch, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache slots this step's tokens write [T], and each query's window of its last W
@@ -505,5 +511,4 @@ class Attention(nn.Module):
         # picks are -1: a wider list only adds -1 columns.)
         width = min(ix.topk, n_max)
         chosen = ix.select(iq, iw, cache.index, tables, seq, visible, n_max, width)
-        slots = slots_of(tables, seq[:, None].expand_as(chosen), chosen.clamp(min=0), Bc)
-        return torch.where(chosen >= 0, slots, -1).to(torch.int32)
+        return chosen_slots(tables, seq, chosen, Bc)

@@ -47,7 +47,7 @@ class FixedStep:
         i64 = dict(dtype=torch.int64, device=device)
         self.rows, self.widths = rows, widths
         self.ids = torch.zeros(rows, **i64)
-        self.meta = torch.zeros(3, rows, **i64)  # positions, context lengths, state slots
+        self.meta = torch.zeros(2, rows, **i64)  # context lengths (= positions), state slots
         self.tables = {k: torch.full((rows, w), -1, dtype=torch.int32, device=device)
                        for k, w in widths.items()}
         self.seq = torch.arange(rows, **i64)
@@ -62,7 +62,7 @@ class FixedStep:
             input_ids=self.ids, positions=self.meta[0], cu_seqlens=list(range(n + 1)),
             context_lens=[0] * n, window_tables=self.tables["window"],
             csa_tables=self.tables["csa"], hca_tables=self.tables["hca"], state_slots=[0] * n,
-            seq=self.seq, decode=DecodeRows(self.meta[1], self.meta[2]))
+            seq=self.seq, decode=DecodeRows(self.meta[0], self.meta[1]))
 
 
 class DecodeGraphs:
@@ -77,8 +77,7 @@ class DecodeGraphs:
         self.steps: dict[tuple, FixedStep] = {}
         self.max_rows = ROW_BUCKETS[-1]  # larger steps run eagerly (takes)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        first = caches[0]
-        self.scratch_window = first.window.shape[0] - 1
+        self.scratch_window = caches[0].window.shape[0] - 1
         states = [s for c in caches for s in c.state.values()]
         self.scratch_slot = states[0].scratch_slot if states else 0  # (none: slots unused)
 
@@ -87,17 +86,16 @@ class DecodeGraphs:
         through the variable-shape forward)."""
         return 1 <= rows <= self.max_rows
 
-    def run(self, input_ids, positions: list[int], context_lens: list[int],
-            state_slots: list[int], tables: dict[str, list[list[int]]]) -> torch.Tensor:
-        """One step of S = len(positions) sequences: input_ids (a list, or a device tensor [S]
-        such as the previous round's samples), each sequence's position (= its context length:
-        the tokens cached before this one), state slot and block tables (lists of block ids per
-        kind, "window" / "csa" / "hca")."""
-        S = len(positions)
-        if not S or len(context_lens) != S or len(state_slots) != S:
-            raise ValueError(f"decode graphs: positions, context_lens and state_slots must have "
-                             f"one entry a sequence (>= 1), got {S}, {len(context_lens)}, "
-                             f"{len(state_slots)}")
+    def run(self, input_ids, context_lens: list[int], state_slots: list[int],
+            tables: dict[str, list[list[int]]]) -> torch.Tensor:
+        """One step of S = len(context_lens) sequences: input_ids (a list, or a device tensor
+        [S] such as the previous round's samples), each sequence's context length (the tokens
+        cached before this one: its new token's position), state slot and block tables (lists
+        of block ids per kind, "window" / "csa" / "hca")."""
+        S = len(context_lens)
+        if not S or len(state_slots) != S:
+            raise ValueError(f"decode graphs: context_lens and state_slots must have one entry "
+                             f"a sequence (>= 1), got {S} and {len(state_slots)}")
         widths = {k: width_bucket(max(len(t) for t in tables[k])) for k in KINDS}
         key = (row_bucket(S), tuple(widths[k] for k in KINDS))
         step = self.steps.get(key)
@@ -105,19 +103,17 @@ class DecodeGraphs:
             step = self.steps[key] = FixedStep(key[0], widths, self.device)
             if self.cuda:
                 self._capture(step)
-        self._fill(step, input_ids, positions, context_lens, state_slots, tables)
+        self._fill(step, input_ids, context_lens, state_slots, tables)
         if not self.cuda:
             return self.net(step.batch(), self.caches)[:S]
         step.graph.replay()
         return step.logits[:S]
 
-    def _fill(self, step: FixedStep, input_ids, positions, context_lens, state_slots,
-              tables) -> None:
+    def _fill(self, step: FixedStep, input_ids, context_lens, state_slots, tables) -> None:
         """The step's inputs into the class's fixed tensors; rows past S are padding."""
-        n, S = step.rows, len(positions)
+        n, S = step.rows, len(context_lens)
         pad = n - S
-        meta = [list(positions) + [0] * pad, list(context_lens) + [0] * pad,
-                list(state_slots) + [self.scratch_slot] * pad]
+        meta = [list(context_lens) + [0] * pad, list(state_slots) + [self.scratch_slot] * pad]
         step.meta.copy_(host_tensor(meta, self.device), non_blocking=True)
         if isinstance(input_ids, torch.Tensor):
             step.ids[:S].copy_(input_ids.view(-1), non_blocking=True)
@@ -137,7 +133,7 @@ class DecodeGraphs:
         runs first, on a side stream, as torch asks. Capturing synchronises the device (torch
         does, on entry), once a class: the engine's sync guard (torch's sync debug mode) is
         lifted for it."""
-        self._fill(step, [], [], [], [], {k: [] for k in KINDS})
+        self._fill(step, [], [], [], {k: [] for k in KINDS})
         guard = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
         try:

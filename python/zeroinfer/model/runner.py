@@ -63,20 +63,18 @@ class PagedRunner:
             cu.append(cu[-1] + len(toks))
             ctx.append(self.lengths[s])
         if self.graphs is not None and len(ids) == len(slots) and self.graphs.takes(len(slots)):
-            # one new token each
+            # one new token each (a copy: the graph's output is overwritten by its next step)
             tables = {k: [self.host_tables[k][s] for s in slots] for k in self.host_tables}
-            logits = self.graphs.run(ids, pos, ctx, slots, tables).clone()
-            for s in slots:
-                self.lengths[s] += 1
-            return {s: logits[i:i + 1] for i, s in enumerate(slots)}
-        sel = torch.tensor(slots, device=self.device)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(pos, dtype=torch.int64, device=self.device),
-            cu_seqlens=cu, context_lens=ctx,
-            window_tables=self.window_tables[sel], csa_tables=self.csa_tables[sel],
-            hca_tables=self.hca_tables[sel], state_slots=slots)
-        logits = self.net(batch, self.caches)
+            logits = self.graphs.run(ids, ctx, slots, tables).clone()
+        else:
+            sel = torch.tensor(slots, device=self.device)
+            batch = ForwardBatch(
+                input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+                positions=torch.tensor(pos, dtype=torch.int64, device=self.device),
+                cu_seqlens=cu, context_lens=ctx,
+                window_tables=self.window_tables[sel], csa_tables=self.csa_tables[sel],
+                hca_tables=self.hca_tables[sel], state_slots=slots)
+            logits = self.net(batch, self.caches)
         for s in slots:
             self.lengths[s] += len(feeds[s])
         return {s: logits[cu[i]:cu[i + 1]] for i, s in enumerate(slots)}
