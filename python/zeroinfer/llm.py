@@ -45,6 +45,10 @@ class LLM:
     decode_graphs: decode rounds replayed from CUDA graphs (None: on CUDA; False: eager).
     kv_cache_dtype: "auto" (the activation dtype) or "fp8" (the V4 FP8 layout, 584 bytes a
     K=V vector).
+    ep: expert parallelism (zeroinfer.parallel.ExpertParallel, e.g. ExpertParallel.for_model(
+    zeroinfer.model.model_config(model), ...)): this LLM is one rank of the group - it serves
+    its own prompts and holds its slots of the routed experts; every rank calls generate (with
+    its own prompts, possibly none) the same number of times.
     """
 
     def __init__(self, model: str = "dummy", *, dtype: str | torch.dtype = "auto",
@@ -52,13 +56,14 @@ class LLM:
                  max_model_len: int = 4096, max_num_batched_tokens: int = 2048,
                  kv_cache_bytes: int | None = None, seed: int = 0, async_scheduling: bool = True,
                  forbid_host_sync: bool = False, decode_graphs: bool | None = None,
-                 kv_cache_dtype: str = "auto", tokenizer: object | None = "auto") -> None:
+                 kv_cache_dtype: str = "auto", tokenizer: object | None = "auto",
+                 ep=None) -> None:
         dev = _resolve_device(device)
         if dtype == "auto":
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         elif isinstance(dtype, str):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, dtype)
-        self.model = load(model, dtype=dtype, device=dev)
+        self.model = load(model, dtype=dtype, device=dev, ep=ep)
         if tokenizer == "auto":
             from zeroinfer.tokenizer import Tokenizer
 
@@ -141,7 +146,7 @@ class LLM:
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts))
         plist = [prompts] if single else list(prompts)
-        if not plist:
+        if not plist and self.engine.ep is None:  # an expert-parallel rank may serve others
             raise ValueError("prompts is empty")
         encoded = [self._encode(p, i) for i, p in enumerate(plist)]
         return self._run(encoded, self._params(sampling_params, len(plist)), use_tqdm)
@@ -171,7 +176,7 @@ class LLM:
         """Teacher-forced logits [T, vocab] (float32, CPU) through the engine's own path."""
         ids = list(token_ids)
         req = self.engine.add_request(ids, SamplingParams(max_tokens=1), prompt_logits=True)
-        while not req.finished:
+        while self.engine.has_work():
             self.engine.step()
         self.engine.finish()
         return torch.cat([t.float() for t in req.prompt_logits]).cpu()

@@ -104,7 +104,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_model_len=cfg.max_model_len)
+        self.ep = model.net.ep  # expert parallelism: every round is a collective of its group
+        if self.ep is not None and (cfg.forbid_host_sync or cfg.decode_graphs):
+            raise ValueError("expert parallelism reads the MoE exchange's row counts on the host "
+                             "each layer: it runs with forbid_host_sync=False and "
+                             "decode_graphs=False (or None)")
         graphs = model.device.type == "cuda" if cfg.decode_graphs is None else cfg.decode_graphs
+        graphs = graphs and self.ep is None
         self.runner = ModelRunner(model.net, caches, model.device, forbid_sync=cfg.forbid_host_sync,
                                   decode_graphs=graphs)
         model.net.rope(model.device)  # build the RoPE tables now, not inside a launch
@@ -167,7 +173,10 @@ class LLMEngine:
         self.scheduler.abort(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.inflight is not None
+        """Whether a step would do anything. Under expert parallelism: on any rank of the
+        group (a collective: ranks loop `while has_work(): step()` together)."""
+        mine = self.scheduler.has_work() or self.inflight is not None
+        return mine if self.ep is None else self.ep.any_rank(mine)
 
     # --- rounds -----------------------------------------------------------------------------
     def _round_done(self, rid: int, wait: bool) -> bool:
@@ -208,6 +217,8 @@ class LLMEngine:
             self.rounds += 1
             if self.history is not None:
                 self.history.append(handle)
+        if self.ep is not None:
+            self._expert_parallel_round(handle is not None)
         t2 = time.perf_counter()
         finished = []
         if prev is not None:  # commit round N while round N+1 runs
@@ -221,6 +232,18 @@ class LLMEngine:
         self.host_time["launch"] += t2 - t1
         self.host_time["commit"] += t3 - t2
         return finished
+
+    def _expert_parallel_round(self, launched: bool) -> None:
+        """Keep the group in step: when any rank runs a round, the others run an idle forward
+        (they serve its tokens in every MoE layer); then count the round for the expert-load
+        window and rebalance the experts when due (all ranks at the same round)."""
+        if not self.ep.any_rank(launched):
+            return
+        net = self.model.net
+        if not launched:
+            self.runner.run_in_order(net.idle_forward)
+        if self.ep.end_step():
+            self.runner.run_in_order(net.rebalance_experts)
 
     def drain(self) -> None:
         while self.has_work():

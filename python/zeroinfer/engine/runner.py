@@ -120,6 +120,28 @@ class ModelRunner:
             self.emulated.close()
             self.emulated = None
 
+    def run_in_order(self, fn: Callable[[], object]) -> None:
+        """Run device work that is not a round (an expert-parallel rank's idle forward, an
+        expert rebalance) after every launched round: on CUDA enqueued now, in stream order; on
+        the CPU on the emulated device's thread, waited for (errors raised here)."""
+        if self.emulated is None:
+            with torch.inference_mode():
+                fn()
+            return
+        handle = RoundHandle(None, False)
+
+        def work() -> None:
+            try:
+                with torch.inference_mode():
+                    fn()
+            except BaseException as e:
+                handle.error = e
+            finally:
+                handle.event.set()
+
+        self.emulated.submit(work)
+        handle.wait()
+
     # --- host side: build inputs ------------------------------------------------------------
     def _host_inputs(self, batch: ScheduledBatch) -> dict:
         rows = batch.rows

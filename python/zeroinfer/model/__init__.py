@@ -4,6 +4,7 @@ dummy models. `load` is the public entry point."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,32 +12,44 @@ from zeroinfer.model.config import ModelConfig
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from zeroinfer.model.runner import Model, PagedRunner
 
+if TYPE_CHECKING:
+    from zeroinfer.parallel import ExpertParallel
+
 DUMMY_PREFIX = "dummy"
 
 
 def load(model: str | Path, *, dtype: torch.dtype = torch.float32,
-         device: torch.device | str = "cpu", seed: int = 0) -> Model:
+         device: torch.device | str = "cpu", seed: int = 0,
+         ep: ExpertParallel | None = None) -> Model:
     """Load a checkpoint directory (config.json + safetensors) or a dummy model.
 
     `model` is a path, or "dummy" / "dummy:<name>" (names in zeroinfer.model.dummy.DUMMY_CONFIGS;
     plain "dummy" is "dummy:tiny") whose weights are made on the fly from `seed`.
+    ep: this rank's part in expert parallelism (zeroinfer.parallel.ExpertParallel, made for
+    this model's layer and expert counts): only its slots' routed experts are kept.
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"load: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     device = torch.device(device)
     name = str(model)
-    if name == DUMMY_PREFIX or name.startswith(DUMMY_PREFIX + ":"):
-        from zeroinfer.model.dummy import dummy_config, random_state_dict
+    config = model_config(name)
+    if _is_dummy(name):
+        from zeroinfer.model.dummy import random_state_dict
 
-        config = dummy_config(name.partition(":")[2] or "tiny")
         tensors = iter(random_state_dict(config, seed).items())
     else:
         from zeroinfer.model.weights import iter_checkpoint
 
-        config = ModelConfig.from_pretrained(name)
         tensors = iter_checkpoint(name, config)
+    if ep is not None:
+        from zeroinfer.parallel import local_expert_tensors
+
+        if ep.device != device:
+            raise ValueError(f"load: the ExpertParallel is on {ep.device}, the model on {device}")
+
+        tensors = local_expert_tensors(tensors, config, ep)
     with torch.device("meta"):
-        net = DeepseekV4ForCausalLM(config, dtype)
+        net = DeepseekV4ForCausalLM(config, dtype, ep)
     net = net.to_empty(device=device)
     fill_parameters(net, tensors, source=name)
     if device.type == "cuda":  # repack the MXFP4 experts for the CUDA kernel once, at load
@@ -47,6 +60,21 @@ def load(model: str | Path, *, dtype: torch.dtype = torch.float32,
                 mod.packed()
     net.eval()
     return Model(net, device)
+
+
+def _is_dummy(name: str) -> bool:
+    return name == DUMMY_PREFIX or name.startswith(DUMMY_PREFIX + ":")
+
+
+def model_config(model: str | Path) -> ModelConfig:
+    """The configuration `load(model)` builds (a checkpoint's config.json or a dummy's), without
+    the weights: what an expert-parallel placement is sized from before loading."""
+    name = str(model)
+    if _is_dummy(name):
+        from zeroinfer.model.dummy import dummy_config
+
+        return dummy_config(name.partition(":")[2] or "tiny")
+    return ModelConfig.from_pretrained(name)
 
 
 def fill_parameters(net: DeepseekV4ForCausalLM, tensors, *, source: str) -> None:
@@ -73,4 +101,5 @@ def fill_parameters(net: DeepseekV4ForCausalLM, tensors, *, source: str) -> None
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
-__all__ = ["DeepseekV4ForCausalLM", "Model", "ModelConfig", "PagedRunner", "load"]
+__all__ = ["DeepseekV4ForCausalLM", "Model", "ModelConfig", "PagedRunner", "load",
+           "model_config"]

@@ -5,6 +5,8 @@ The graph knows nothing of scheduling: it reads a ForwardBatch and the caller's 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -17,9 +19,13 @@ from zeroinfer.model.moe import MoE
 from zeroinfer.model.norm import rms_norm
 from zeroinfer.model.rope import RopeTables
 
+if TYPE_CHECKING:
+    from zeroinfer.parallel import ExpertParallel
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype,
+                 ep: ExpertParallel | None = None) -> None:
         super().__init__()
         c = config
         hc = dict(hc_mult=c.hc_mult, hidden=c.hidden_size, iters=c.hc_sinkhorn_iters,
@@ -30,7 +36,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = NormWeight(c.hidden_size)
         self.post_attention_layernorm = NormWeight(c.hidden_size)
         self.self_attn = Attention(c, layer, dtype)
-        self.mlp = MoE(c, layer, dtype)
+        self.mlp = MoE(c, layer, dtype, ep)
 
     def forward(self, streams, batch: ForwardBatch, cache: LayerCache, rope: RopeTables):
         post, comb, x = self.attn_hc.weights(streams)
@@ -42,20 +48,25 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 ep: ExpertParallel | None = None) -> None:
         super().__init__()
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, ep)
+                                    for i in range(c.num_hidden_layers))
         self.norm = NormWeight(c.hidden_size)
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 ep: ExpertParallel | None = None) -> None:
+        """ep: this rank's part in expert parallelism (zeroinfer.parallel); the routed experts
+        are then its slots, and every forward is a collective of the group."""
         super().__init__()
-        self.config, self.dtype = config, dtype
-        self.model = DeepseekV4Model(config, dtype)
+        self.config, self.dtype, self.ep = config, dtype, ep
+        self.model = DeepseekV4Model(config, dtype, ep)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
         self._rope: RopeTables | None = None
 
@@ -78,3 +89,25 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = streams[logits_rows]
         h = rms_norm(m.hc_head(streams), m.norm.weight, c.rms_norm_eps)
         return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """Expert parallelism: serve the other ranks' tokens in every MoE layer with none of
+        this rank's own (what a rank with nothing scheduled runs while the others step)."""
+        if self.ep is None:
+            raise RuntimeError("idle_forward: the model has no expert parallelism")
+        c, dev = self.config, self.lm_head.weight.device
+        k = c.num_experts_per_tok
+        y = torch.empty(0, c.hidden_size, dtype=self.dtype, device=dev)
+        ids = torch.empty(0, k, dtype=torch.int32, device=dev)
+        w = torch.empty(0, k, dtype=torch.float32, device=dev)
+        for layer in self.model.layers:
+            layer.mlp.routed(y, ids, w)
+
+    def rebalance_experts(self) -> bool:
+        """Expert parallelism: rebalance the routed experts over the group from the counted load
+        (ExpertParallel.rebalance; a collective). Returns whether any expert moved."""
+        if self.ep is None:
+            raise RuntimeError("rebalance_experts: the model has no expert parallelism")
+        return self.ep.rebalance([layer.mlp.experts.buffers_of_slots()
+                                  for layer in self.model.layers])

@@ -1,9 +1,12 @@
 """V4 MoE block: a router (learned top-k with a selection-only bias, or a frozen token-id hash),
 MXFP4 routed experts through zeroinfer.ops (dispatch -> grouped GEMM with fused clamped SwiGLU
 -> grouped GEMM -> weighted combine; small batches skip the dispatch: the GEMMs take the ids),
-and one always-on shared expert."""
+and one always-on shared expert. Under expert parallelism (zeroinfer.parallel) the routed
+experts are this rank's slots and the tokens travel to the ranks holding their experts."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,9 @@ from torch import nn
 from zeroinfer import ops
 from zeroinfer.model.config import HASH_MOE, ModelConfig
 from zeroinfer.model.linear import FusedLinears, Linear, pad_rows
+
+if TYPE_CHECKING:
+    from zeroinfer.parallel import ExpertParallel
 
 
 class Router(nn.Module):
@@ -38,11 +44,13 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts, packed MXFP4 as in V4 checkpoints (kept packed for the FP4 GEMM).
-    gate_up rows 0..I-1 are the gate (w1), rows I..2I-1 the up projection (w3)."""
+    gate_up rows 0..I-1 are the gate (w1), rows I..2I-1 the up projection (w3). `num_slots`
+    experts are held: all of them, or this rank's physical slots under expert parallelism."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, num_slots: int | None = None) -> None:
         super().__init__()
-        E, D, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        D, I = config.hidden_size, config.moe_intermediate_size
+        E = self.num_slots = num_slots or config.n_routed_experts
         u8 = dict(dtype=torch.uint8)
         self.register_buffer("gate_up_blocks", torch.zeros(E, 2 * I, D // 2, **u8))
         self.register_buffer("gate_up_scales", torch.zeros(E, 2 * I, D // 32, **u8))
@@ -67,6 +75,30 @@ class Experts(nn.Module):
             self._packed_key = key
         return self._packed
 
+    def buffers_of_slots(self) -> tuple[torch.Tensor, ...]:
+        """The four checkpoint-layout buffers, slot-major (what expert parallelism moves)."""
+        return self.gate_up_blocks, self.gate_up_scales, self.down_blocks, self.down_scales
+
+    def run(self, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+            limit: float) -> torch.Tensor:
+        """sum_j w[t, j] * expert_{ids[t, j]}(y[t]) [T, D] in y's dtype; ids [T, k] int32 in
+        [0, num_slots) or -1 (adds nothing)."""
+        pk = self.packed() if y.dtype == torch.bfloat16 else None  # CUDA: prepacked once
+        w1, s1 = (pk[0], None) if pk else (self.gate_up_blocks, self.gate_up_scales)
+        w2, s2 = (pk[1], None) if pk else (self.down_blocks, self.down_scales)
+        if ids.numel() <= ops.MXFP4_ROUTED_MAX_ROWS:
+            # Decode: the GEMMs read the ids and sort them themselves (the routed layout, rows
+            # in (token, slot) order), so no dispatch launch precedes them; the same results.
+            x, seg, rows = y.contiguous(), dict(topk_ids=ids), dict(token_row=None, topk_ids=ids)
+        else:
+            d = ops.moe_dispatch(y.contiguous(), ids, self.num_slots)
+            x, rows = d.sorted_x, dict(token_row=d.token_row)
+            seg = dict(expert_offsets=d.expert_offsets, expert_counts=d.expert_counts)
+        h = ops.mxfp4_grouped_gemm(x, w1, s1, fuse_swiglu=True, swiglu_limit=limit,
+                                   out_dtype=y.dtype, **seg)
+        o = ops.mxfp4_grouped_gemm(h, w2, s2, out_dtype=y.dtype, **seg)
+        return ops.moe_combine(o, topk_weights=w, out_dtype=y.dtype, **rows)
+
 
 class SharedExpert(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -86,34 +118,28 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype,
+                 ep: ExpertParallel | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.layer, self.ep = config, layer, ep
         self.gate = Router(config, config.mlp_layer_types[layer] == HASH_MOE, dtype)
-        self.experts = Experts(config)
+        self.experts = Experts(config, ep.slots if ep is not None else None)
         self.shared_experts = SharedExpert(config, dtype)
         # The router's logits and the shared expert's gate / up: one GEMM of the input.
         sh = self.shared_experts
         self.y_proj = FusedLinears(self.gate, sh.gate_proj, sh.up_proj)
 
+    def routed(self, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for the (logical) routing ids, here or, under
+        expert parallelism, across the group (a collective)."""
+        lam = self.config.swiglu_limit
+        if self.ep is None:
+            return self.experts.run(y, ids, w, lam)
+        return self.ep.run(self.layer, y, ids, w,
+                           lambda x, i, ww: self.experts.run(x, i, ww, lam))
+
     def forward(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        c, ex, sh = self.config, self.experts, self.shared_experts
-        lam = c.swiglu_limit
+        sh = self.shared_experts
         logits, gate, up = self.y_proj(y)
         ids, w = self.gate.route(logits, input_ids)
-        pk = ex.packed() if y.dtype == torch.bfloat16 else None  # CUDA: prepacked once
-        w1, s1 = (pk[0], None) if pk else (ex.gate_up_blocks, ex.gate_up_scales)
-        w2, s2 = (pk[1], None) if pk else (ex.down_blocks, ex.down_scales)
-        if ids.numel() <= ops.MXFP4_ROUTED_MAX_ROWS:
-            # Decode: the GEMMs read the ids and sort them themselves (the routed layout, rows
-            # in (token, slot) order), so no dispatch launch precedes them; the same results.
-            x, seg, rows = y.contiguous(), dict(topk_ids=ids), dict(token_row=None, topk_ids=ids)
-        else:
-            d = ops.moe_dispatch(y.contiguous(), ids, c.n_routed_experts)
-            x, rows = d.sorted_x, dict(token_row=d.token_row)
-            seg = dict(expert_offsets=d.expert_offsets, expert_counts=d.expert_counts)
-        h = ops.mxfp4_grouped_gemm(x, w1, s1, fuse_swiglu=True, swiglu_limit=lam,
-                                   out_dtype=y.dtype, **seg)
-        o = ops.mxfp4_grouped_gemm(h, w2, s2, out_dtype=y.dtype, **seg)
-        routed = ops.moe_combine(o, topk_weights=w, out_dtype=y.dtype, **rows)
-        return routed + sh.finish(gate, up, lam)
+        return self.routed(y, ids, w) + sh.finish(gate, up, self.config.swiglu_limit)

@@ -112,7 +112,8 @@ _TO_NATIVE = [(re.compile(p), r) for p, r in [
 _MTP = re.compile(r"(^|\.)mtp\.")
 _NATIVE_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight$")
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj$")
-_OUR_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_(blocks|scales)$")
+# Our stacked routed-expert buffers (one per layer and kind), all E experts along dim 0.
+EXPERT_BUFFER = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_(blocks|scales)$")
 _FP8_NATIVE = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
                          r"|ffn\.shared_experts\.w[123])\.weight$")
 
@@ -542,7 +543,7 @@ def _plan(files: _Files, config: ModelConfig, params: dict[str, torch.Tensor]) -
 
 def _display(target: str, layout: str) -> str:
     """How a parameter of ours would be named in a checkpoint of `layout`."""
-    m = _OUR_EXPERT.match(target)
+    m = EXPERT_BUFFER.match(target)
     if m:
         if layout == "hf":
             return f"model.layers.{m[1]}.mlp.experts.{m[2]}_proj"
@@ -684,7 +685,7 @@ def _native_tensors(state, config: ModelConfig, layout: str, fp8: bool):
     I = config.moe_intermediate_size
     for name, t in state.items():
         t = t.detach().cpu()
-        m = _OUR_EXPERT.match(name)
+        m = EXPERT_BUFFER.match(name)
         if m:
             if m[3] == "scales":
                 continue
@@ -722,7 +723,7 @@ def _native_tensors(state, config: ModelConfig, layout: str, fp8: bool):
 def _hf_tensors(state):
     for name, t in state.items():
         t = t.detach().cpu()
-        m = _OUR_EXPERT.match(name)
+        m = EXPERT_BUFFER.match(name)
         if m:
             if m[3] == "blocks":
                 base = name[: -len("_blocks")]

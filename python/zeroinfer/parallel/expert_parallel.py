@@ -1,0 +1,193 @@
+"""Expert parallelism: this rank's routed experts, and the token exchange of an MoE layer.
+
+Every rank of the group runs its own batch through attention (data-parallel attention) and
+holds S of the P physical expert slots (`Placement`). In an MoE layer each rank
+
+  1. routes its tokens (logical expert ids), picks a replica of each chosen expert (the physical
+     slot; `ExpertParallel.replicas`) and so the rank that computes it;
+  2. sends each token once to every rank holding one of its experts, with the k local slot ids
+     there (-1 for slots served elsewhere) and the routing weights (`all_to_all_single`);
+  3. runs its local experts on what it received - the single-device MoE path on local ids - and
+     sums each row's experts weighted (the combine), so one partial row goes back per (token,
+     rank);
+  4. gets the partial rows back and adds them up per token in rank order.
+
+The counts are exchanged first and read on the host, so the layer runs eagerly (no CUDA graph).
+A token's result depends only on its own routing and the placement, never on the batch: the
+summation order is fixed (slots inside a rank, then ranks in order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from zeroinfer.parallel.eplb import Placement, initial_placement, num_physical_experts, rebalance
+from zeroinfer.parallel.expert_load import ExpertLoad
+from zeroinfer.parallel.shuffle import move_experts
+
+# compute(x [M, D], local slot ids [M, k] int32 (-1: elsewhere), weights [M, k] float32)
+#   -> [M, D]: the weighted sum of the row's local experts.
+LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ExpertParallel:
+    """One rank's share of an expert-parallel group: the placement (on the compute device), the
+    group, and optionally the expert-load window that feeds `rebalance`."""
+
+    def __init__(self, placement: Placement, group: dist.ProcessGroup | None = None, *,
+                 device: torch.device | str = "cpu", load_window: int = 0,
+                 rebalance_interval: int = 0) -> None:
+        """load_window: count the experts' load over that many steps (0: not counted).
+        rebalance_interval: `end_step` calls for a rebalance every that many steps, the first
+        after a quarter of it (a cold start's placement is the worst); 0: never."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ExpertParallel: torch.distributed is not initialized "
+                               "(call torch.distributed.init_process_group first)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        if placement.num_ranks != self.size:
+            raise ValueError(f"ExpertParallel: the placement is for {placement.num_ranks} ranks, "
+                             f"the group has {self.size}")
+        # Votes on the host (does any rank step?) go over their own gloo group: the exchange's
+        # collectives may be running on the group at that moment from another thread (the CPU
+        # engine's emulated device), and two threads must not share a group.
+        self.vote_group = dist.new_group(dist.get_process_group_ranks(self.group),
+                                         backend="gloo")
+        self.device = torch.device(device)
+        self.placement = placement.to(self.device)
+        if rebalance_interval and not 1 <= load_window <= rebalance_interval:
+            raise ValueError(f"ExpertParallel: rebalancing every {rebalance_interval} steps needs "
+                             f"1 <= load_window <= it, got load_window={load_window}")
+        self.load = (ExpertLoad(placement.num_layers, placement.num_logical, load_window,
+                                self.device) if load_window > 0 else None)
+        self.rebalance_interval = rebalance_interval
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank of the group (a host-side collective)."""
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.vote_group)
+        return bool(t.item())
+
+    def end_step(self) -> bool:
+        """Close this step's expert counts; True when a rebalance is due."""
+        if self.load is None:
+            return False
+        self.load.step()
+        n, every = self.load.steps, self.rebalance_interval
+        return bool(every) and (n == max(1, every // 4) or n % every == 0)
+
+    def rebalance(self, layers: list[tuple[torch.Tensor, ...]]) -> bool:
+        """A new placement from the load window (summed over the group) and this rank's expert
+        buffers (layers[l]: the layer's slot-major buffers) moved to it. A collective; returns
+        whether the placement changed."""
+        if self.load is None or self.load.steps == 0:
+            raise RuntimeError("ExpertParallel.rebalance: no expert load was counted "
+                               "(load_window=0, or no step ended yet)")
+        new = rebalance(self.load.window_load(self.group), self.placement.num_physical, self.size)
+        if new.same_as(self.placement):
+            return False
+        move_experts(layers, self.placement, new, self.rank, self.group)
+        self.placement = new.to(self.device)
+        return True
+
+    @classmethod
+    def for_model(cls, config, *, redundant_experts: int = 0,
+                  group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
+                  load_window: int = 0, rebalance_interval: int = 0) -> ExpertParallel:
+        """This rank's part for a model (its ModelConfig, e.g. zeroinfer.model.model_config):
+        the n_routed_experts + redundant_experts slots (rounded up to the group's size) in the
+        initial placement (expert i mod E in slot i)."""
+        world = dist.get_world_size(group) if dist.is_initialized() else 0
+        if world < 1:
+            raise RuntimeError("ExpertParallel: torch.distributed is not initialized "
+                               "(call torch.distributed.init_process_group first)")
+        E = config.n_routed_experts
+        P = num_physical_experts(E, world, redundant_experts)
+        return cls(initial_placement(config.num_hidden_layers, E, P, world), group,
+                   device=device, load_window=load_window, rebalance_interval=rebalance_interval)
+
+    @property
+    def slots(self) -> int:
+        """Physical expert slots on each rank."""
+        return self.placement.slots_per_rank
+
+    def local_experts(self) -> torch.Tensor:
+        """[L, S] int64 on the CPU: the logical expert of each of this rank's slots."""
+        return self.placement.local_experts(self.rank).cpu()
+
+    def replicas(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The physical slot serving each (token, slot) pair: replicas taken in turn along the
+        flattened pairs, offset by the rank, so an expert's tokens split evenly over its copies
+        (the split EPLB assumes)."""
+        pl = self.placement
+        ids = topk_ids.long()
+        turn = torch.arange(ids.numel(), device=ids.device).view(ids.shape) + self.rank
+        choice = turn % pl.logical_count[layer][ids]
+        return pl.logical_to_phys[layer][ids, choice]
+
+    def run(self, layer: int, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            compute: LocalExperts) -> torch.Tensor:
+        """The routed experts' output [T, D] (y's dtype) for this rank's tokens. A collective:
+        every rank of the group calls it for every MoE layer, with T = 0 if it has no tokens."""
+        if self.load is not None:
+            self.load.record(layer, topk_ids)
+        N, S, g = self.size, self.slots, self.group
+        T, k = topk_ids.shape
+        dev = y.device
+        phys = self.replicas(layer, topk_ids)
+        dest = phys // S
+        # One row per (token, rank holding any of its experts), ordered by rank, then token.
+        tok = torch.arange(T, device=dev).repeat_interleave(k)
+        hit = torch.zeros(N * T, dtype=torch.bool, device=dev)
+        hit.index_fill_(0, dest.reshape(-1) * T + tok, True)
+        hit = hit.view(N, T)
+        d_sel, t_sel = hit.nonzero(as_tuple=True)
+        mine = dest[t_sel] == d_sel.unsqueeze(1)
+        send_ids = torch.where(mine, phys[t_sel] % S, -1).to(torch.int32)
+        send_w = torch.where(mine, topk_weights[t_sel].float(), 0.0)
+        meta = torch.cat([send_ids, send_w.view(torch.int32)], 1)
+        send_counts = torch.bincount(d_sel, minlength=N)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=g)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        M, R = sum(sc), sum(rc)
+        x_in = _exchange(y[t_sel].contiguous(), R, rc, sc, g)
+        m_in = _exchange(meta, R, rc, sc, g)
+        part = compute(x_in, m_in[:, :k].contiguous(), m_in[:, k:].contiguous().view(torch.float32))
+        back = _exchange(part.to(y.dtype).contiguous(), M, sc, rc, g)
+        return _sum_per_token(back, t_sel, T, min(k, N)).to(y.dtype)
+
+
+def _exchange(x: torch.Tensor, rows_in: int, split_in: list[int], split_out: list[int],
+              group) -> torch.Tensor:
+    """all_to_all_single of rows; 16-bit floats travel as bytes (gloo has no bfloat16, NCCL no
+    int16; both move uint8, and a row's bytes split with it)."""
+    out = x.new_empty(rows_in, *x.shape[1:])
+    if x.element_size() == 2:
+        dist.all_to_all_single(out.view(torch.uint8), x.view(torch.uint8), split_in, split_out,
+                               group=group)
+    else:
+        dist.all_to_all_single(out, x, split_in, split_out, group=group)
+    return out
+
+
+def _sum_per_token(rows: torch.Tensor, token: torch.Tensor, T: int, most: int) -> torch.Tensor:
+    """out[t] = the sum, in float32 and in row order, of the rows whose token is t (at most
+    `most` rows a token; explicit adds, so the order never depends on T)."""
+    M, D = rows.shape
+    dev = rows.device
+    order = torch.sort(token, stable=True).indices  # rows grouped by token, in rank order
+    count = torch.bincount(token, minlength=T)
+    first = torch.cumsum(count, 0) - count
+    nth = torch.arange(M, device=dev) - first[token[order]]
+    pos = torch.full((T, most), M, dtype=torch.long, device=dev)
+    pos[token[order], nth] = order
+    padded = torch.cat([rows.float(), rows.new_zeros(1, D, dtype=torch.float32)])
+    out = padded[pos[:, 0]]
+    for i in range(1, most):
+        out += padded[pos[:, i]]
+    return out

@@ -1,0 +1,68 @@
+"""Run a function on N CPU ranks over torch.distributed (gloo), each its own process: how the
+expert-parallel code is tested without several GPUs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 90
+
+
+def _rank_main(fn, rank: int, world: int, store: str, args: tuple, results,
+               backend: str) -> None:
+    torch.set_num_threads(1)  # N ranks share the machine's cores
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    try:
+        # A rank left waiting in a collective (a test's bug) errors out after this, not gloo's
+        # default 30 minutes.
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        try:
+            results.put((rank, True, fn(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # reported to the parent, which raises it
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world: int, *args, timeout: float = 600.0,
+              backend: str = "gloo") -> list:
+    """fn(rank, world, *args) on `world` spawned processes with a process group set up (gloo;
+    "nccl" for one GPU a rank); returns the ranks' results in rank order (picklable values), or
+    raises with the failing ranks' tracebacks. fn must be importable by name (a module-level
+    function)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, store, args, results, backend))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        got, errors = {}, []
+        try:
+            for _ in range(world):
+                rank, ok, value = results.get(timeout=timeout)
+                if ok:
+                    got[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+                    break  # the others may wait forever on the failed rank's collectives
+        finally:
+            for p in procs:
+                p.join(timeout=5 if errors or len(got) < world else 60)
+                if p.is_alive():
+                    p.kill()
+    if errors or len(got) < world:
+        raise RuntimeError("run_ranks: " + ("\n".join(errors) or
+                                            f"only ranks {sorted(got)} of {world} finished"))
+    return [got[r] for r in range(world)]

@@ -1,0 +1,215 @@
+"""Expert parallelism on several CPU ranks (gloo, one process each): the MoE token exchange
+against a float64 single-device MoE, the model under EP against the model on one device, the
+expert moves of a rebalance byte for byte, and a rebalance driven by counted load."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from zeroinfer.model.dummy import dummy_config
+from zeroinfer.model.moe import Experts
+from zeroinfer.parallel import (
+    ExpertParallel,
+    Placement,
+    initial_placement,
+    move_experts,
+    num_physical_experts,
+    plan_moves,
+)
+from zeroinfer.reference.moe_gemm import dequantize_expert_f64
+from zeroinfer.testing.distributed import run_ranks
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+LIMIT = 7.0
+
+
+def _random_placement(gen, layers, experts, ranks, extra):
+    """Every expert once, `extra` random replicas, slots shuffled (replicas on any rank)."""
+    P = num_physical_experts(experts, ranks, extra)
+    rows = []
+    for _ in range(layers):
+        row = torch.cat([torch.arange(experts), torch.randint(0, experts, (P - experts,),
+                                                              generator=gen)])
+        rows.append(row[torch.randperm(P, generator=gen)])
+    return Placement.from_phys_to_logical(torch.stack(rows), experts, ranks)
+
+
+def _expert_weights(gen, E, D, I):  # noqa: E741
+    # Random e2m1 bytes, scales near 2^-4 so the products stay O(1).
+    u8 = dict(dtype=torch.int32, generator=gen)
+    return (torch.randint(0, 256, (E, 2 * I, D // 2), **u8).to(torch.uint8),
+            torch.randint(121, 125, (E, 2 * I, D // 32), **u8).to(torch.uint8),
+            torch.randint(0, 256, (E, D, I // 2), **u8).to(torch.uint8),
+            torch.randint(121, 125, (E, D, I // 32), **u8).to(torch.uint8))
+
+
+def _moe_f64(x, ids, w, weights):
+    """sum_j w[t, j] * down_e(silu(min(gate, L)) * clamp(up, -L, L)), e = ids[t, j], float64."""
+    gu = dequantize_expert_f64(weights[0], weights[1])
+    dn = dequantize_expert_f64(weights[2], weights[3])
+    I = gu.shape[1] // 2  # noqa: E741
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            y = gu[e] @ x[t].double()
+            g, u = y[:I].clamp(max=LIMIT), y[I:].clamp(-LIMIT, LIMIT)
+            out[t] += float(w[t, j]) * (dn[e] @ (g * torch.sigmoid(g) * u))
+    return out
+
+
+def _layer_worker(rank, world, seed, tokens):
+    E, D, I, k = 8, 64, 64, 3  # noqa: E741
+    gen = torch.Generator().manual_seed(seed)  # the same weights and placement on every rank
+    weights = _expert_weights(gen, E, D, I)
+    pl = _random_placement(gen, 1, E, world, extra=4)
+    ep = ExpertParallel(pl)
+    cfg = replace(dummy_config("tiny"), hidden_size=D, moe_intermediate_size=I,
+                  n_routed_experts=E, num_experts_per_tok=k)
+    experts = Experts(cfg, ep.slots)
+    for buf, full in zip(experts.buffers_of_slots(), weights):
+        buf.copy_(full[ep.local_experts()[0]])
+    mine = torch.Generator().manual_seed(seed + 1 + rank)  # each rank its own tokens
+    T = tokens[rank]
+    x = torch.randn(T, D, generator=mine)
+    ids = torch.rand(T, E, generator=mine).argsort(1)[:, :k].to(torch.int32)
+    w = torch.rand(T, k, generator=mine) + 0.1
+    out = ep.run(0, x, ids, w, lambda xs, i, ww: experts.run(xs, i, ww, LIMIT))
+    want = _moe_f64(x, ids, w, weights)
+    assert out.shape == (T, D) and out.dtype == torch.float32
+    err = float((out.double() - want).abs().max()) if T else 0.0
+    scale = float(want.abs().max()) if T else 1.0
+    return err, scale
+
+
+def test_ep_moe_layer_matches_float64_moe(seed):
+    # Rank 0 has no tokens (it only serves the others'); rank 2's batch takes the dispatch
+    # path (more than 256 routed rows), rank 1's the routed-layout path.
+    errs = run_ranks(_layer_worker, 3, seed, [0, 37, 100])
+    for err, scale in errs:
+        assert err <= 1e-4 * max(scale, 1.0), (err, scale)
+
+
+def _model_worker(rank, world, seed, lengths, idle_rank):
+    from zeroinfer.model import load
+
+    cfg_name = "dummy:tiny"
+    full = load(cfg_name)
+    c = full.config
+    P = num_physical_experts(c.n_routed_experts, world, 2)
+    ep = ExpertParallel(initial_placement(c.num_hidden_layers, c.n_routed_experts, P, world),
+                        load_window=4)
+    m = load(cfg_name, ep=ep)
+    gen = torch.Generator().manual_seed(seed + rank)
+    results = []
+
+    def round_(n):
+        if rank == idle_rank and len(results) == 1:
+            m.net.idle_forward()  # this rank sits the second round out, serving the others
+            results.append(None)
+            return
+        prompt = torch.randint(2, c.vocab_size, (n,), generator=gen).tolist()
+        got, want = m.logits(prompt), full.logits(prompt)
+        results.append(float((got - want).abs().max() / want.abs().max()))
+
+    for n in lengths[rank]:
+        round_(n)
+        ep.end_step()
+    moved = m.net.rebalance_experts()
+    # After the rebalance every slot holds its new expert's bytes, and the logits still match.
+    local = ep.local_experts()
+    for layer, mod in enumerate(m.net.model.layers):
+        mine = mod.mlp.experts.buffers_of_slots()
+        ref = full.net.model.layers[layer].mlp.experts.buffers_of_slots()
+        for a, b in zip(mine, ref):
+            assert torch.equal(a, b[local[layer]])
+    round_(lengths[rank][0])
+    return results, moved, ep.placement.phys_to_logical.tolist(), ep.load.steps
+
+
+def test_ep_model_matches_single_device_and_rebalances(seed):
+    world = 2
+    res = run_ranks(_model_worker, world, seed, [[5, 9, 3], [12, 4, 7]], 1)
+    for errs, moved, _, steps in res:
+        assert steps == 3
+        assert all(e is None or e < 1e-4 for e in errs), errs
+    # Every rank took part and agreed on the new placement (computed from the summed load).
+    assert res[0][2] == res[1][2]
+    assert res[0][1] == res[1][1]
+    assert res[0][1], "the counted load should move some expert off the initial placement"
+
+
+def _move_worker(rank, world, seed):
+    gen = torch.Generator().manual_seed(seed)
+    L, E = 3, 7
+    old = _random_placement(gen, L, E, world, extra=4)
+    new = _random_placement(gen, L, E, world, extra=4)
+    # Distinct bytes per (layer, expert): buffers of several shapes and dtypes.
+    full = [(torch.randint(0, 256, (E, 5, 6), generator=gen, dtype=torch.int32).to(torch.uint8),
+             torch.randn(E, 3, generator=gen).to(torch.bfloat16),
+             torch.randn(E, 2, 2, generator=gen)) for _ in range(L)]
+    S = old.slots_per_rank
+    mine = [tuple(t[old.local_experts(rank)[layer]].clone() for t in full[layer])
+            for layer in range(L)]
+    received = move_experts(mine, old, new, rank)
+    for layer in range(L):
+        want = new.local_experts(rank)[layer]
+        for got, ref in zip(mine[layer], full[layer]):
+            assert got.shape[0] == S and torch.equal(got, ref[want])
+    planned = sum(q == rank for layer in range(L) for _, q, _ in plan_moves(old, new, layer))
+    return received, planned
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_move_experts_rewrites_every_slot(seed, world):
+    for received, planned in run_ranks(_move_worker, world, seed):
+        assert received == planned
+
+
+def test_plan_moves_spreads_senders():
+    # Expert 0 is on ranks 0 and 1 and moves to ranks 2 and 3: one copy from each holder.
+    old = Placement.from_phys_to_logical(torch.tensor([[0, 1, 0, 2, 3, 4, 5, 6]]), 7, 4)
+    new = Placement.from_phys_to_logical(torch.tensor([[1, 2, 3, 4, 0, 5, 0, 6]]), 7, 4)
+    moves = plan_moves(old, new, 0)
+    assert [(e, q, h) for e, q, h in moves if e == 0] == [(0, 2, 0), (0, 3, 1)]
+    # every (rank, expert) that is new to the rank is planned exactly once
+    S = 2
+    for r in range(4):
+        was, now = set(old.local_experts(r)[0].tolist()), set(new.local_experts(r)[0].tolist())
+        assert sorted(e for e, q, _ in moves if q == r) == sorted(now - was)
+    assert all(h != q for _, q, h in moves) and S == new.slots_per_rank
+
+
+def _one_rank_worker(rank, world, device, seed):
+    from zeroinfer import LLM, SamplingParams
+    from zeroinfer.model import load, model_config
+
+    name = "dummy:tiny"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ep = ExpertParallel.for_model(model_config(name), redundant_experts=3, device=device)
+    m, full = load(name, dtype=dtype, device=device, ep=ep), load(name, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, full.config.vocab_size, (40,), generator=gen).tolist()
+    same_logits = torch.equal(m.logits(prompt), full.logits(prompt))
+    kw = dict(tokenizer=None, max_num_seqs=4, max_model_len=96, decode_graphs=False,
+              dtype=dtype, device=device)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [prompt[:7], prompt[5:30], prompt[1:4]]
+    got = [o.token_ids for o in LLM(name, ep=ep, **kw).generate(prompts, params, use_tqdm=False)]
+    want = [o.token_ids for o in LLM(name, **kw).generate(prompts, params, use_tqdm=False)]
+    return same_logits, got == want
+
+
+def test_one_rank_ep_is_bitwise_the_single_device_model(seed):
+    # One rank holds every expert (with replicas): each token's experts are summed on it in
+    # slot order, as on one device, so the logits agree bit for bit.
+    assert run_ranks(_one_rank_worker, 1, "cpu", seed) == [(True, True)]
+
+
+@pytest.mark.gpu
+def test_one_rank_ep_on_cuda_over_nccl(seed):
+    # The exchange's CUDA path (NCCL all-to-all, byte views of bf16 rows) on one GPU.
+    assert run_ranks(_one_rank_worker, 1, "cuda", seed, backend="nccl") == [(True, True)]
