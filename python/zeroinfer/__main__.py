@@ -21,6 +21,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs: decode rounds run op by op")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: K=V caches in the V4 FP8 layout (584 bytes a vector)")
+    p.add_argument("--ep-ranks", type=int, default=1,
+                   help="expert parallelism over this many ranks, one process each on this "
+                        "machine (one GPU each over NCCL, or CPU processes over gloo)")
+    p.add_argument("--redundant-experts", type=int, default=0,
+                   help="expert parallelism: extra expert slots for the load balancer")
+    p.add_argument("--eplb-interval", type=int, default=0,
+                   help="expert parallelism: rebalance the experts every this many rounds "
+                        "(0: never), from the load of the last --eplb-window rounds")
+    p.add_argument("--eplb-window", type=int, default=100)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -33,13 +42,64 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def _llm(a):
+def _llm(a, ep=None):
     from zeroinfer import LLM
 
     return LLM(a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
                max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
                seed=a.seed, async_scheduling=not a.sync,
-               decode_graphs=False if a.eager else None, kv_cache_dtype=a.kv_cache_dtype)
+               decode_graphs=False if a.eager or ep else None, kv_cache_dtype=a.kv_cache_dtype,
+               ep=ep)
+
+
+def _output(o) -> dict:
+    return {"request_id": o.request_id, "prompt": o.prompt, "text": o.text,
+            "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+
+
+def _generate_rank(rank: int, world: int, a, prompts: list[str]) -> list[dict]:
+    """One expert-parallel rank of `generate --ep-ranks`: prompts i with i % world == rank."""
+    import torch
+
+    from zeroinfer.llm import _resolve_device
+    from zeroinfer.model import model_config
+    from zeroinfer.parallel import ExpertParallel
+
+    dev = _resolve_device(a.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device())
+        a.device = str(dev)
+    window = a.eplb_window if a.eplb_interval else 0
+    ep = ExpertParallel.for_model(model_config(a.model), redundant_experts=a.redundant_experts,
+                                  device=dev, load_window=min(window, a.eplb_interval),
+                                  rebalance_interval=a.eplb_interval)
+    llm = _llm(a, ep)
+    outs = llm.generate(prompts[rank::world], _params(a), use_tqdm=False)
+    return [_output(o) for o in outs]
+
+
+def _generate_ep(a, prompts: list[str]) -> list[dict]:
+    from zeroinfer.llm import _resolve_device
+    from zeroinfer.parallel.launch import run_ranks
+
+    gpu = _resolve_device(a.device).type == "cuda"
+    if gpu:
+        import torch
+
+        if torch.cuda.device_count() < a.ep_ranks:
+            raise ValueError(f"--ep-ranks {a.ep_ranks} needs a GPU a rank; "
+                             f"{torch.cuda.device_count()} visible")
+    # The ranks are spawned: they unpickle the worker by its module's name, which is
+    # "__main__" here under `python -m zeroinfer`; so pass the importable module's function,
+    # and the arguments without the parser's callback.
+    import zeroinfer.__main__ as cli
+
+    args = argparse.Namespace(**{k: v for k, v in vars(a).items() if k != "fn"})
+    per_rank = run_ranks(cli._generate_rank, a.ep_ranks, args, prompts,
+                         backend="nccl" if gpu else "gloo")
+    # back to the input order (prompt i was rank i % world's (i // world)-th), numbered so
+    return [{**per_rank[i % a.ep_ranks][i // a.ep_ranks], "request_id": str(i)}
+            for i in range(len(prompts))]
 
 
 def _params(a):
@@ -59,12 +119,14 @@ def cmd_generate(a) -> int:
     if not prompts:
         print("zeroinfer generate: no prompts (give them as arguments, --file or stdin)", file=sys.stderr)
         return 2
-    llm = _llm(a)
-    outs = llm.generate(prompts, _params(a), use_tqdm=not a.quiet)
+    if a.ep_ranks < 1:
+        raise ValueError(f"--ep-ranks must be >= 1, got {a.ep_ranks}")
+    if a.ep_ranks > 1:
+        outs = _generate_ep(a, prompts)
+    else:
+        outs = [_output(o) for o in _llm(a).generate(prompts, _params(a), use_tqdm=not a.quiet)]
     for o in outs:
-        print(json.dumps({"request_id": o.request_id, "prompt": o.prompt, "text": o.text,
-                          "token_ids": o.token_ids, "finish_reason": o.finish_reason},
-                         ensure_ascii=False))
+        print(json.dumps(o, ensure_ascii=False))
     return 0
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from zeroinfer.testing.distributed import run_ranks
+from zeroinfer.parallel.launch import run_ranks
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -54,3 +54,18 @@ def test_ep_engine_greedy_equals_single_device(seed, async_scheduling):
     steps = {r[2] for r in res}
     assert len(steps) == 1 and steps.pop() >= 6  # every rank counted every group round
     assert all(r[1] for r in res), "the experts were rebalanced at least once"
+
+
+def test_cli_generate_over_ep_ranks(capsys):
+    # `zeroinfer generate --ep-ranks 2` spawns two CPU ranks over gloo, deals the prompts out
+    # and prints them in input order: the single-process command's lines, token for token.
+    from zeroinfer.__main__ import main
+
+    prompts = ["Hello", "The capital of France is", "one two three", "4 5"]
+    common = ["--max-tokens", "6", "--quiet", "--max-model-len", "64", "--max-num-seqs", "4"]
+    assert main(["generate", *prompts, *common]) == 0
+    single = capsys.readouterr().out
+    assert main(["generate", *prompts, *common, "--ep-ranks", "2", "--redundant-experts", "2",
+                 "--eplb-interval", "4", "--eplb-window", "2"]) == 0
+    assert capsys.readouterr().out == single
+    assert main(["generate", "x", "--ep-ranks", "0"]) == 2

@@ -19,7 +19,7 @@ from zeroinfer.parallel import (
     plan_moves,
 )
 from zeroinfer.reference.moe_gemm import dequantize_expert_f64
-from zeroinfer.testing.distributed import run_ranks
+from zeroinfer.parallel.launch import run_ranks
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -1,10 +1,13 @@
-"""Run a function on N CPU ranks over torch.distributed (gloo), each its own process: how the
-expert-parallel code is tested without several GPUs."""
+"""Start N ranks of a process group on this machine, one process each, and collect what each
+returns: the CLI's `--ep-ranks` and the tests of the expert-parallel code (CPU ranks over gloo,
+how it is tested without several GPUs; one GPU a rank over NCCL)."""
 
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -49,14 +52,26 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 600.0,
         for p in procs:
             p.start()
         got, errors = {}, []
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world):
-                rank, ok, value = results.get(timeout=timeout)
+            while len(got) < world and not errors:
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    # A rank that died before reporting (killed, or it failed to start) would
+                    # leave the others waiting: stop at once.
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                            or (p.exitcode == 0 and r not in got and results.empty())]
+                    if dead:
+                        errors.append(f"rank(s) {dead} exited (codes "
+                                      f"{[procs[r].exitcode for r in dead]}) without a result")
+                    elif time.monotonic() > deadline:
+                        errors.append(f"no result within {timeout} s")
+                    continue
                 if ok:
                     got[rank] = value
                 else:
                     errors.append(f"rank {rank}:\n{value}")
-                    break  # the others may wait forever on the failed rank's collectives
         finally:
             for p in procs:
                 p.join(timeout=5 if errors or len(got) < world else 60)
