@@ -18,8 +18,8 @@ from zeroinfer.parallel import (
     num_physical_experts,
     plan_moves,
 )
-from zeroinfer.reference.moe_gemm import dequantize_expert_f64
 from zeroinfer.parallel.launch import run_ranks
+from zeroinfer.reference.moe_gemm import dequantize_expert_f64
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
