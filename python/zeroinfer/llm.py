@@ -58,7 +58,8 @@ class LLM:
                  forbid_host_sync: bool = False, decode_graphs: bool | None = None,
                  kv_cache_dtype: str = "auto", tokenizer: object | None = "auto",
                  ep=None) -> None:
-        dev = _resolve_device(device)
+        # an expert-parallel rank runs where its ExpertParallel lives, unless told otherwise
+        dev = ep.device if ep is not None and str(device) == "auto" else _resolve_device(device)
         if dtype == "auto":
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         elif isinstance(dtype, str):

@@ -29,7 +29,8 @@ def _engine_worker(rank, world, seed, counts, async_scheduling):
     ep = ExpertParallel.for_model(cfg, redundant_experts=3, load_window=3, rebalance_interval=6)
     kw = dict(tokenizer=None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=24,
               async_scheduling=async_scheduling)
-    llm = LLM(MODEL, ep=ep, **kw)
+    llm = LLM(MODEL, ep=ep, **kw)  # on the CPU, where the ExpertParallel is
+    kw["device"] = "cpu"  # the reference too, on a GPU machine
     before = ep.placement.phys_to_logical.clone()
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = _prompts(seed, rank, counts, cfg.vocab_size)
@@ -62,7 +63,8 @@ def test_cli_generate_over_ep_ranks(capsys):
     from zeroinfer.__main__ import main
 
     prompts = ["Hello", "The capital of France is", "one two three", "4 5"]
-    common = ["--max-tokens", "6", "--quiet", "--max-model-len", "64", "--max-num-seqs", "4"]
+    common = ["--max-tokens", "6", "--quiet", "--max-model-len", "64", "--max-num-seqs", "4",
+              "--device", "cpu"]
     assert main(["generate", *prompts, *common]) == 0
     single = capsys.readouterr().out
     assert main(["generate", *prompts, *common, "--ep-ranks", "2", "--redundant-experts", "2",
