@@ -61,6 +61,7 @@ def _one(model, batch: int, input_len: int, output_len: int, async_on: bool,
         "idle_gap_us_median": statistics.median(gaps) * 1e6 if gaps else None,
         "idle_gap_us_mean": statistics.fmean(gaps) * 1e6 if gaps else None,
         "schedule_us_per_round": eng.host_time["schedule"] / n * 1e6,
+        "launch_us_per_round": eng.host_time["launch"] / n * 1e6,
         "commit_us_per_round": eng.host_time["commit"] / n * 1e6,
         "rounds": rounds,
     }
@@ -112,7 +113,8 @@ def run_engine_bench(a) -> None:
                              a.kv_cache_dtype))
             print(rows[-1], flush=True)
     cols = ["batch", "async", "graphs", "decode_tokens_per_s", "idle_gap_us_median",
-            "idle_gap_us_mean", "schedule_us_per_round", "commit_us_per_round", "rounds"]
+            "idle_gap_us_mean", "schedule_us_per_round", "launch_us_per_round",
+            "commit_us_per_round", "rounds"]
     bench.print_table(rows, cols)
     kv = kv_layout_rows(model, EngineConfig(max_num_seqs=8, max_model_len=4096,
                                             kv_cache_dtype=a.kv_cache_dtype))

@@ -41,6 +41,16 @@ class BlockManager:
                                            for k in self.kinds}
         self.free_slots = list(range(spec.num_state_slots - 1, -1, -1))
         self.num_slots = spec.num_state_slots
+        # (name, tokens a block covers, rate - 1) per kind, for capacity()
+        self._cover = tuple((k.name, k.block_size * k.rate, k.rate - 1) for k in self.kinds)
+
+    def capacity(self, blocks: dict[str, list[int]]) -> int:
+        """The most tokens `blocks` cover: a decode row needs new blocks only past it (once in
+        a block's worth of steps), so the per-row checks start here. Kind k covers L tokens
+        while (L // rate) <= held * block_size."""
+        (a, at, ar), (b, bt, br), (c, ct, cr) = self._cover  # spelled out: it runs per row
+        get = blocks.get
+        return min(len(get(a, ())) * at + ar, len(get(b, ())) * bt + br, len(get(c, ())) * ct + cr)
 
     def extra_blocks(self, blocks: dict[str, list[int]], tokens: int) -> dict[str, int]:
         return {k.name: max(0, k.blocks_for(tokens) - len(blocks.get(k.name, ())))
@@ -49,10 +59,14 @@ class BlockManager:
     def can_grow(self, blocks: dict[str, list[int]], tokens: int, need_slot: bool = False) -> bool:
         if need_slot and not self.free_slots:
             return False
+        if tokens <= self.capacity(blocks):
+            return True
         return all(len(self.free[n]) >= c for n, c in self.extra_blocks(blocks, tokens).items())
 
     def grow(self, blocks: dict[str, list[int]], tokens: int) -> None:
         """Extend `blocks` (in place) to cover `tokens` tokens; caller checked can_grow."""
+        if tokens <= self.capacity(blocks):
+            return
         for name, count in self.extra_blocks(blocks, tokens).items():
             free = self.free[name]
             if len(free) < count:

@@ -105,6 +105,62 @@ def forbid_host_sync(enabled: bool):
         torch.cuda.set_sync_debug_mode(old)
 
 
+class HostBlockTables:
+    """The block tables of every state slot, mirrored in one host tensor per kind, so that a
+    round's tables are one index_select of its rows' slots, not a list built per row per round.
+    A slot's row follows its request's block list: entries are written only where the list grew
+    (a decode row gains a block once in a block's worth of steps) or, when the slot holds a new
+    list (another request, or a request's blocks after a preemption), the row is rewritten. Past
+    a row's length every entry is -1, as the kernels' padding expects."""
+
+    def __init__(self) -> None:
+        self.rows = {k: torch.full((1, 16), -1, dtype=torch.int32) for k in KINDS}
+        # per kind and slot: the list object the row mirrors, and how much of it is written
+        self.src: dict[str, dict[int, object]] = {k: {} for k in KINDS}
+        self.done: dict[str, dict[int, int]] = {k: {} for k in KINDS}
+
+    def tables(self, rows) -> dict[str, torch.Tensor]:
+        """{kind: int32 [len(rows), max(1, longest table)]} for the batch rows (CPU)."""
+        slots = [r.req.slot for r in rows]
+        need = max(slots, default=0) + 1
+        out = {}
+        for k in KINDS:
+            width = 1
+            for r in rows:
+                # () for a kind the request holds no block of yet: a shared empty that still
+                # clears what the slot's last owner left
+                blocks = r.req.blocks.get(k, ())
+                width = max(width, len(blocks))
+                self._sync(k, r.req.slot, blocks, need)
+            t = self.rows[k]
+            if t.shape[0] < need or t.shape[1] < width:  # rows for new slots, wider rows
+                grown = torch.full((max(need, 2 * t.shape[0]), max(width, 2 * t.shape[1])), -1,
+                                   dtype=torch.int32)
+                grown[:t.shape[0], :t.shape[1]] = t
+                self.rows[k] = t = grown
+                for slot, blocks in self.src[k].items():  # (written before the growth)
+                    t[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+                    self.done[k][slot] = len(blocks)
+            out[k] = t[:, :width].index_select(0, torch.tensor(slots, dtype=torch.long))
+        return out
+
+    def _sync(self, kind: str, slot: int, blocks, need: int) -> None:
+        t, src, done = self.rows[kind], self.src[kind], self.done[kind]
+        have = done.get(slot, 0) if src.get(slot) is blocks else -1
+        if have == len(blocks):
+            return
+        src[slot] = blocks
+        if slot >= t.shape[0] or len(blocks) > t.shape[1]:
+            done[slot] = 0  # tables() grows the tensor and writes every mirrored row
+            return
+        if have < 0:  # a new list in this slot: clear what the last one left
+            t[slot].fill_(-1)
+            have = 0
+        if len(blocks) > have:
+            t[slot, have:len(blocks)] = torch.tensor(blocks[have:], dtype=torch.int32)
+        done[slot] = len(blocks)
+
+
 class ModelRunner:
     def __init__(self, net: DeepseekV4ForCausalLM, caches: list[LayerCache], device: torch.device,
                  *, forbid_sync: bool = False, decode_graphs: bool = False) -> None:
@@ -114,6 +170,7 @@ class ModelRunner:
         self.forbid_sync = forbid_sync and self.cuda
         self.emulated = None if self.cuda else EmulatedDevice()
         self.timing = False  # record each round's device start/end (bench: idle gaps)
+        self.block_tables = HostBlockTables()
 
     def close(self) -> None:
         if self.emulated is not None:
@@ -151,11 +208,7 @@ class ModelRunner:
             pos += range(r.start, r.start + r.num_tokens)
             cu.append(cu[-1] + r.num_tokens)
             remap.append(r.prev_row)
-        tables = {}
-        for kind in KINDS:
-            width = max([len(r.req.blocks.get(kind, ())) for r in rows] + [1])
-            tables[kind] = [list(r.req.blocks.get(kind, ())) + [-1] * (width - len(r.req.blocks.get(kind, ())))
-                            for r in rows]
+        tables = self.block_tables.tables(rows)
         sample_rows = batch.sample_rows
         logits_rows = []
         for i, r in enumerate(rows):

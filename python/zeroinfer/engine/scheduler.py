@@ -102,7 +102,11 @@ class Scheduler:
                 prev_row_of[id(prev.rows[i].req)] = k
         scheduled: set[int] = set()
 
+        capacity = self.blocks.capacity
+
         def grow_or_preempt(req: Request, tokens: int) -> bool:
+            if tokens <= capacity(req.blocks):  # most decode rows: no new block this round
+                return True
             while not self.blocks.can_grow(req.blocks, tokens):
                 if self.reclaim(wait=True):
                     continue
@@ -114,26 +118,30 @@ class Scheduler:
             self.blocks.grow(req.blocks, tokens)
             return True
 
-        # 1. decodes and unfinished prefills of running requests, oldest first
+        # 1. decodes and unfinished prefills of running requests, oldest first (this loop runs
+        # for every sequence every round: the host's share of a decode round, kept lean)
         for req in list(self.running):
-            if req.status is not Status.RUNNING or len(rows) >= self.max_num_seqs or budget <= 0:
+            if len(rows) >= self.max_num_seqs or budget <= 0:
+                break
+            if req.status is not Status.RUNNING:
                 continue
             pos = req.num_computed
-            if pos < req.num_known:  # prefill (first chunk already admitted, or recompute)
-                n = min(req.num_known - pos, budget)
+            known = len(req.prompt_ids) + len(req.output_ids)
+            if pos < known:  # prefill (first chunk already admitted, or recompute)
+                n = min(known - pos, budget)
                 ids = [req.token_at(i) for i in range(pos, pos + n)]
                 prev_row = -1
-            elif pos == req.num_total - 1 and req.inflight == 1:  # input token on the device
+            elif pos == known + req.inflight - 1:  # a decode row
                 if self._will_finish(req):
                     continue
-                n, ids = 1, [0]
-                prev_row = prev_row_of.get(id(req), -1)
-                if prev_row < 0:
-                    raise RuntimeError(f"request {req.request_id}: in-flight token has no source row")
-            elif pos == req.num_total - 1:  # input token committed
-                if self._will_finish(req):
-                    continue
-                n, ids, prev_row = 1, [req.token_at(pos)], -1
+                if req.inflight == 1:  # its input token is still on the device
+                    n, ids = 1, [0]
+                    prev_row = prev_row_of.get(id(req), -1)
+                    if prev_row < 0:
+                        raise RuntimeError(f"request {req.request_id}: in-flight token has no "
+                                           "source row")
+                else:  # its input token is committed
+                    n, ids, prev_row = 1, [req.token_at(pos)], -1
             else:  # waiting for the in-flight round to commit (nothing to feed yet)
                 continue
             if not grow_or_preempt(req, pos + n):
@@ -169,9 +177,11 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(rid, rows)
 
-    def _add_row(self, rows: list[Row], req: Request, pos: int, ids: list[int], prev_row: int) -> None:
+    def _add_row(self, rows: list[Row], req: Request, pos: int, ids: list[int],
+                 prev_row: int) -> None:
         end = pos + len(ids)
-        sample = end == req.num_total and not req.want_prompt_logits
+        total = len(req.prompt_ids) + len(req.output_ids) + req.inflight
+        sample = end == total and not req.want_prompt_logits
         rows.append(Row(req, pos, ids, prev_row, sample, req.want_prompt_logits))
         req.num_computed = end
         if sample:
@@ -179,8 +189,9 @@ class Scheduler:
 
     def _will_finish(self, req: Request) -> bool:
         """The tokens already sampled end the request: don't feed another."""
-        return (len(req.output_ids) + req.inflight >= req.params.max_tokens
-                or req.num_total >= self.max_model_len)
+        out = len(req.output_ids) + req.inflight
+        return (out >= req.params.max_tokens
+                or len(req.prompt_ids) + out >= self.max_model_len)
 
     # --- committing -------------------------------------------------------------------------
     def commit(self, batch: ScheduledBatch, result: RoundResult,

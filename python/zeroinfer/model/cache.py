@@ -193,9 +193,11 @@ class ForwardBatch:
 
 
 def host_tensor(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A tensor of host values (a list) on `device`, copied without a host synchronisation (a
-    pinned buffer and a non-blocking copy on CUDA), so it can sit inside the launch path."""
-    t = torch.tensor(values, dtype=dtype)
+    """A tensor of host values (a list, or a CPU tensor) on `device`, copied without a host
+    synchronisation (a pinned buffer and a non-blocking copy on CUDA), so it can sit inside the
+    launch path."""
+    t = (values.to(dtype) if isinstance(values, torch.Tensor)
+         else torch.tensor(values, dtype=dtype))
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 

@@ -65,6 +65,17 @@ class FixedStep:
             seq=self.seq, decode=DecodeRows(self.meta[0], self.meta[1]))
 
 
+def _table(t) -> torch.Tensor:
+    """A kind's tables as an int32 CPU tensor [S, width >= 1], -1 past each row's blocks (a
+    tensor as given, or padded from lists of block ids)."""
+    if isinstance(t, torch.Tensor):
+        return t
+    if not t:
+        return torch.empty(0, 0, dtype=torch.int32)
+    width = max([len(r) for r in t] + [1])
+    return torch.tensor([list(r) + [-1] * (width - len(r)) for r in t], dtype=torch.int32)
+
+
 class DecodeGraphs:
     """Runs decode steps (one new token a sequence) of `net` over `caches` in fixed shapes: from
     CUDA graphs on a GPU (captured on first use of a class, sharing one memory pool), eagerly on
@@ -87,16 +98,18 @@ class DecodeGraphs:
         return 1 <= rows <= self.max_rows
 
     def run(self, input_ids, context_lens: list[int], state_slots: list[int],
-            tables: dict[str, list[list[int]]]) -> torch.Tensor:
+            tables: dict[str, torch.Tensor | list[list[int]]]) -> torch.Tensor:
         """One step of S = len(context_lens) sequences: input_ids (a list, or a device tensor
         [S] such as the previous round's samples), each sequence's context length (the tokens
-        cached before this one: its new token's position), state slot and block tables (lists
-        of block ids per kind, "window" / "csa" / "hca")."""
+        cached before this one: its new token's position), state slot and block tables (per
+        kind, "window" / "csa" / "hca": lists of block ids, or an int32 CPU tensor [S, w] with
+        -1 past each row's blocks)."""
         S = len(context_lens)
         if not S or len(state_slots) != S:
             raise ValueError(f"decode graphs: context_lens and state_slots must have one entry "
                              f"a sequence (>= 1), got {S} and {len(state_slots)}")
-        widths = {k: width_bucket(max(len(t) for t in tables[k])) for k in KINDS}
+        tables = {k: _table(tables[k]) for k in KINDS}
+        widths = {k: width_bucket(tables[k].shape[1]) for k in KINDS}
         key = (row_bucket(S), tuple(widths[k] for k in KINDS))
         step = self.steps.get(key)
         if step is None:
@@ -123,9 +136,11 @@ class DecodeGraphs:
             step.ids.copy_(host_tensor(list(input_ids) + [0] * pad, self.device),
                            non_blocking=True)
         for k in KINDS:
-            w = step.widths[k]
-            pad_row = [self.scratch_window if k == "window" else -1] + [-1] * (w - 1)
-            rows = [list(t) + [-1] * (w - len(t)) for t in tables[k]] + [pad_row] * pad
+            t = _table(tables[k])
+            rows = torch.full((n, step.widths[k]), -1, dtype=torch.int32)
+            rows[:S, :t.shape[1]] = t
+            if k == "window":  # padding rows write their one token to the scratch block
+                rows[S:, 0] = self.scratch_window
             step.tables[k].copy_(host_tensor(rows, self.device, torch.int32), non_blocking=True)
 
     def _capture(self, step: FixedStep) -> None:
