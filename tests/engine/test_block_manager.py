@@ -4,7 +4,6 @@ exact per-kind block counts."""
 from __future__ import annotations
 
 import torch
-
 from zeroinfer.engine.block_manager import BlockManager
 from zeroinfer.model.cache import CacheSpec
 from zeroinfer.model.dummy import dummy_config

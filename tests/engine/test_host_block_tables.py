@@ -7,7 +7,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-
 from zeroinfer.engine.runner import KINDS, HostBlockTables
 
 

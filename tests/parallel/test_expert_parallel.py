@@ -77,20 +77,29 @@ def _layer_worker(rank, world, seed, tokens):
     x = torch.randn(T, D, generator=mine)
     ids = torch.rand(T, E, generator=mine).argsort(1)[:, :k].to(torch.int32)
     w = torch.rand(T, k, generator=mine) + 0.1
-    out = ep.run(0, x, ids, w, lambda xs, i, ww: experts.run(xs, i, ww, LIMIT))
+    keys = torch.randint(0, 1 << 40, (T,), generator=mine)
+    def moe(x, ids, w, keys):
+        return ep.run(0, x, ids, w, keys, lambda xs, i, ww: experts.run(xs, i, ww, LIMIT))
+
+    out = moe(x, ids, w, keys)
+    # Batch invariance: the same tokens in another order (a rotation; each rank its own, the
+    # group in step) give each token the same bits - its replicas follow its key, not its row.
+    rot = torch.roll(torch.arange(T), T // 3) if T else torch.arange(0)
+    invariant = torch.equal(moe(x[rot], ids[rot], w[rot], keys[rot]), out[rot])
     want = _moe_f64(x, ids, w, weights)
     assert out.shape == (T, D) and out.dtype == torch.float32
     err = float((out.double() - want).abs().max()) if T else 0.0
     scale = float(want.abs().max()) if T else 1.0
-    return err, scale
+    return err, scale, invariant
 
 
 def test_ep_moe_layer_matches_float64_moe(seed):
     # Rank 0 has no tokens (it only serves the others'); rank 2's batch takes the dispatch
     # path (more than 256 routed rows), rank 1's the routed-layout path.
     errs = run_ranks(_layer_worker, 3, seed, [0, 37, 100])
-    for err, scale in errs:
+    for err, scale, invariant in errs:
         assert err <= 1e-4 * max(scale, 1.0), (err, scale)
+        assert invariant
 
 
 def _model_worker(rank, world, seed, lengths, idle_rank):
@@ -118,6 +127,11 @@ def _model_worker(rank, world, seed, lengths, idle_rank):
     for n in lengths[rank]:
         round_(n)
         ep.end_step()
+    # Batch invariance under EP: a prompt's logits alone and beside another (each rank its own
+    # pair, in step), bit for bit - its replicas, so its sum's order, follow the token alone.
+    a, b = (torch.randint(2, c.vocab_size, (n,), generator=gen).tolist() for n in (11, 6))
+    beside = m.runner(max_seqs=2, max_len=16).step({1: b, 0: a})[0]
+    invariant = torch.equal(beside, m.logits(a))
     moved = m.net.rebalance_experts()
     # After the rebalance every slot holds its new expert's bytes, and the logits still match.
     local = ep.local_experts()
@@ -127,14 +141,14 @@ def _model_worker(rank, world, seed, lengths, idle_rank):
         for a, b in zip(mine, ref):
             assert torch.equal(a, b[local[layer]])
     round_(lengths[rank][0])
-    return results, moved, ep.placement.phys_to_logical.tolist(), ep.load.steps
+    return results, moved, ep.placement.phys_to_logical.tolist(), ep.load.steps, invariant
 
 
 def test_ep_model_matches_single_device_and_rebalances(seed):
     world = 2
     res = run_ranks(_model_worker, world, seed, [[5, 9, 3], [12, 4, 7]], 1)
-    for errs, moved, _, steps in res:
-        assert steps == 3
+    for errs, moved, _, steps, invariant in res:
+        assert steps == 3 and invariant
         assert all(e is None or e < 1e-4 for e in errs), errs
     # Every rank took part and agreed on the new placement (computed from the summed load).
     assert res[0][2] == res[1][2]

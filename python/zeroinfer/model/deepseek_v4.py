@@ -43,7 +43,8 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), batch, cache, rope)
         streams = HyperConnection.mix(streams, a, post, comb)
         post, comb, x = self.ffn_hc.weights(streams)
-        f = self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps), batch.input_ids)
+        f = self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps), batch.input_ids,
+                     batch.positions)
         return HyperConnection.mix(streams, f, post, comb)
 
 
@@ -101,8 +102,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         y = torch.empty(0, c.hidden_size, dtype=self.dtype, device=dev)
         ids = torch.empty(0, k, dtype=torch.int32, device=dev)
         w = torch.empty(0, k, dtype=torch.float32, device=dev)
+        keys = torch.empty(0, dtype=torch.int64, device=dev)
         for layer in self.model.layers:
-            layer.mlp.routed(y, ids, w)
+            layer.mlp.routed(y, ids, w, keys)
 
     def rebalance_experts(self) -> bool:
         """Expert parallelism: rebalance the routed experts over the group from the counted load

@@ -129,17 +129,24 @@ class MoE(nn.Module):
         sh = self.shared_experts
         self.y_proj = FusedLinears(self.gate, sh.gate_proj, sh.up_proj)
 
-    def routed(self, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def routed(self, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+               token_keys: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for the (logical) routing ids, here or, under
-        expert parallelism, across the group (a collective)."""
+        expert parallelism, across the group (a collective; token_keys pick the replicas)."""
         lam = self.config.swiglu_limit
         if self.ep is None:
             return self.experts.run(y, ids, w, lam)
-        return self.ep.run(self.layer, y, ids, w,
+        return self.ep.run(self.layer, y, ids, w, token_keys,
                            lambda x, i, ww: self.experts.run(x, i, ww, lam))
 
-    def forward(self, y: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, input_ids: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
         sh = self.shared_experts
         logits, gate, up = self.y_proj(y)
         ids, w = self.gate.route(logits, input_ids)
-        return self.routed(y, ids, w) + sh.finish(gate, up, self.config.swiglu_limit)
+        keys = input_ids.long() * _POSITIONS + positions.long() if self.ep is not None else None
+        return self.routed(y, ids, w, keys) + sh.finish(gate, up, self.config.swiglu_limit)
+
+
+# A token's replica key under expert parallelism: its id and position, one int64.
+_POSITIONS = 1 << 24

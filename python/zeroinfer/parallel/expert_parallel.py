@@ -13,8 +13,8 @@ holds S of the P physical expert slots (`Placement`). In an MoE layer each rank
   4. gets the partial rows back and adds them up per token in rank order.
 
 The counts are exchanged first and read on the host, so the layer runs eagerly (no CUDA graph).
-A token's result depends only on its own routing and the placement, never on the batch: the
-summation order is fixed (slots inside a rank, then ranks in order).
+A token's result depends only on the token (its routing, its replica hash) and the placement,
+never on the batch: the summation order is fixed (slots inside a rank, then ranks in order).
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ import torch.distributed as dist
 from zeroinfer.parallel.eplb import Placement, initial_placement, num_physical_experts, rebalance
 from zeroinfer.parallel.expert_load import ExpertLoad
 from zeroinfer.parallel.shuffle import move_experts
+
+# Odd 64-bit multipliers (as int64) for the replica hash.
+_MIX = 0x2545F4914F6CDD1D
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 
 # compute(x [M, D], local slot ids [M, k] int32 (-1: elsewhere), weights [M, k] float32)
 #   -> [M, D]: the weighted sum of the row's local experts.
@@ -119,26 +123,32 @@ class ExpertParallel:
         """[L, S] int64 on the CPU: the logical expert of each of this rank's slots."""
         return self.placement.local_experts(self.rank).cpu()
 
-    def replicas(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The physical slot serving each (token, slot) pair: replicas taken in turn along the
-        flattened pairs, offset by the rank, so an expert's tokens split evenly over its copies
-        (the split EPLB assumes)."""
+    def replicas(self, layer: int, topk_ids: torch.Tensor, token_keys: torch.Tensor
+                 ) -> torch.Tensor:
+        """The physical slot serving each (token, slot) pair: a replica of its expert picked by
+        a hash of the token's key (e.g. its id and position) and the slot. A function of the
+        token alone - its batch, row and rank play no part, so neither does the grouping of its
+        experts into ranks, nor its sum's order: EP stays batch-invariant - and over many
+        tokens an even split over the copies (the split EPLB assumes)."""
         pl = self.placement
         ids = topk_ids.long()
-        turn = torch.arange(ids.numel(), device=ids.device).view(ids.shape) + self.rank
-        choice = turn % pl.logical_count[layer][ids]
+        j = torch.arange(ids.shape[1], device=ids.device)
+        h = token_keys.long().unsqueeze(1) * _MIX + j * _GOLDEN  # int64 arithmetic wraps
+        h = h ^ (h >> 29)
+        choice = h % pl.logical_count[layer][ids]
         return pl.logical_to_phys[layer][ids, choice]
 
     def run(self, layer: int, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-            compute: LocalExperts) -> torch.Tensor:
-        """The routed experts' output [T, D] (y's dtype) for this rank's tokens. A collective:
-        every rank of the group calls it for every MoE layer, with T = 0 if it has no tokens."""
+            token_keys: torch.Tensor, compute: LocalExperts) -> torch.Tensor:
+        """The routed experts' output [T, D] (y's dtype) for this rank's tokens (token_keys [T]
+        int: what picks a token's replicas, see `replicas`). A collective: every rank of the
+        group calls it for every MoE layer, with T = 0 if it has no tokens."""
         if self.load is not None:
             self.load.record(layer, topk_ids)
         N, S, g = self.size, self.slots, self.group
         T, k = topk_ids.shape
         dev = y.device
-        phys = self.replicas(layer, topk_ids)
+        phys = self.replicas(layer, topk_ids, token_keys)
         dest = phys // S
         # One row per (token, rank holding any of its experts), ordered by rank, then token.
         tok = torch.arange(T, device=dev).repeat_interleave(k)
