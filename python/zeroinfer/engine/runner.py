@@ -131,7 +131,7 @@ class HostBlockTables:
                 # clears what the slot's last owner left
                 blocks = r.req.blocks.get(k, ())
                 width = max(width, len(blocks))
-                self._sync(k, r.req.slot, blocks, need)
+                self._sync(k, r.req.slot, blocks)
             t = self.rows[k]
             if t.shape[0] < need or t.shape[1] < width:  # rows for new slots, wider rows
                 grown = torch.full((max(need, 2 * t.shape[0]), max(width, 2 * t.shape[1])), -1,
@@ -144,7 +144,7 @@ class HostBlockTables:
             out[k] = t[:, :width].index_select(0, torch.tensor(slots, dtype=torch.long))
         return out
 
-    def _sync(self, kind: str, slot: int, blocks, need: int) -> None:
+    def _sync(self, kind: str, slot: int, blocks) -> None:
         t, src, done = self.rows[kind], self.src[kind], self.done[kind]
         have = done.get(slot, 0) if src.get(slot) is blocks else -1
         if have == len(blocks):
