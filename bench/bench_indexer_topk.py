@@ -47,11 +47,8 @@ def main() -> None:
                 bytes_moved=scores.numel() * 4 + queries * TOPK * 8, ceilings=ceilings,
                 cuda=cuda)
             rows.append({"queries": queries, "entries": n, "k": TOPK, **row})
-    bench.print_table(rows, ["queries", "entries", *bench.small_op_columns(cuda)])
-    extra = {"ceilings": ceilings, "timing": bench.SMALL_OP_TIMING} if cuda else None
-    path = bench.write_results("indexer_topk", rows, device=dev, extra=extra,
-                               out_dir=args.out_dir)
-    print(f"wrote {path}")
+    bench.report_small_ops("indexer_topk", rows, ["queries", "entries"],
+                           args=args, ceilings=ceilings)
 
 
 if __name__ == "__main__":

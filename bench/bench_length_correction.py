@@ -80,11 +80,8 @@ def main() -> None:
                 lambda: correct_lengths(*a), lambda: correct_lengths(*a, out=out),
                 lambda: torch_correct(*a), bytes_moved=op_bytes(R, R * S), ceilings=ceilings,
                 cuda=cuda)})
-    bench.print_table(rows, ["rows", "tokens_per_row", *bench.small_op_columns(cuda)])
-    extra = {"ceilings": ceilings, "timing": bench.SMALL_OP_TIMING} if cuda else None
-    path = bench.write_results("length_correction", rows, device=dev, extra=extra,
-                               out_dir=args.out_dir)
-    print(f"wrote {path}")
+    bench.report_small_ops("length_correction", rows, ["rows", "tokens_per_row"],
+                           args=args, ceilings=ceilings)
 
 
 if __name__ == "__main__":

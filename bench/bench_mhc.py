@@ -101,10 +101,7 @@ def main() -> None:
                                  bytes_moved=op_bytes(tokens), ceilings=ceilings, cuda=cuda)
         rows.append({"op": "mixes", "tokens": tokens, "streams": STREAMS, "iters": ITERS, **row})
     rows += apply_rows(dev, torch.bfloat16 if cuda else torch.float32, ceilings, gen)
-    bench.print_table(rows, ["op", "tokens", *bench.small_op_columns(cuda)])
-    extra = {"ceilings": ceilings, "timing": bench.SMALL_OP_TIMING} if cuda else None
-    path = bench.write_results("mhc", rows, device=dev, extra=extra, out_dir=args.out_dir)
-    print(f"wrote {path}")
+    bench.report_small_ops("mhc", rows, ["op", "tokens"], args=args, ceilings=ceilings)
 
 
 if __name__ == "__main__":

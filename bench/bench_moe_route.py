@@ -50,10 +50,7 @@ def main() -> None:
             ceilings=ceilings, cuda=cuda)
         rows.append({"tokens": tokens, "experts": EXPERTS, "k": TOPK,
                      "dtype": str(dtype).split(".")[1], **row})
-    bench.print_table(rows, ["tokens", *bench.small_op_columns(cuda)])
-    extra = {"ceilings": ceilings, "timing": bench.SMALL_OP_TIMING} if cuda else None
-    path = bench.write_results("moe_route", rows, device=dev, extra=extra, out_dir=args.out_dir)
-    print(f"wrote {path}")
+    bench.report_small_ops("moe_route", rows, ["tokens"], args=args, ceilings=ceilings)
 
 
 if __name__ == "__main__":

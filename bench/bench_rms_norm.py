@@ -53,10 +53,7 @@ def main() -> None:
                 ceilings=ceilings, cuda=cuda)
             rows.append({"norm": name, "shape": [tokens, *shape], "tokens": tokens,
                          "weighted": weighted, "dtype": str(dtype).split(".")[1], **row})
-    bench.print_table(rows, ["norm", "tokens", *bench.small_op_columns(cuda)])
-    extra = {"ceilings": ceilings, "timing": bench.SMALL_OP_TIMING} if cuda else None
-    path = bench.write_results("rms_norm", rows, device=dev, extra=extra, out_dir=args.out_dir)
-    print(f"wrote {path}")
+    bench.report_small_ops("rms_norm", rows, ["norm", "tokens"], args=args, ceilings=ceilings)
 
 
 if __name__ == "__main__":

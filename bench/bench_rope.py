@@ -47,10 +47,7 @@ def main() -> None:
                 cuda=cuda)
             rows.append({"tensor": what, "shape": list(shape), "tokens": tokens,
                          "dtype": str(dtype).split(".")[1], **row})
-    bench.print_table(rows, ["tensor", "tokens", *bench.small_op_columns(cuda)])
-    extra = {"ceilings": ceilings, "timing": bench.SMALL_OP_TIMING} if cuda else None
-    path = bench.write_results("rope", rows, device=dev, extra=extra, out_dir=args.out_dir)
-    print(f"wrote {path}")
+    bench.report_small_ops("rope", rows, ["tensor", "tokens"], args=args, ceilings=ceilings)
 
 
 if __name__ == "__main__":

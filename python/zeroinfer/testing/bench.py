@@ -290,6 +290,18 @@ def small_op_columns(cuda: bool) -> list[str]:
     return ["bytes", "time_us", *gpu, "torch_us", "speedup_vs_torch"]
 
 
+def report_small_ops(family: str, rows: Sequence[dict[str, object]], keys: Sequence[str], *,
+                     args, ceilings: dict[str, float] | None) -> Path:
+    """The end of a small-op benchmark: its table (the `keys` columns, then small_op_row's)
+    printed, and its JSON written (with the ceilings and the timing note on CUDA)."""
+    cuda = args.device == "cuda"
+    print_table(rows, [*keys, *small_op_columns(cuda)])
+    extra = {"ceilings": ceilings, "timing": SMALL_OP_TIMING} if cuda else None
+    path = write_results(family, rows, device=args.device, extra=extra, out_dir=args.out_dir)
+    print(f"wrote {path}")
+    return path
+
+
 SMALL_OP_TIMING = ("time_us: the op called eagerly, CUDA events, L2 flushed before each call; "
                    "graph_us: its CUDA-graph replay with preallocated outputs; kernel_us: its own "
                    "device work (CUPTI); torch_us: the torch path called eagerly")
