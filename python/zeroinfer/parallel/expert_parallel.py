@@ -47,12 +47,9 @@ class ExpertParallel:
         """load_window: count the experts' load over that many steps (0: not counted).
         rebalance_interval: `end_step` calls for a rebalance every that many steps, the first
         after a quarter of it (a cold start's placement is the worst); 0: never."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ExpertParallel: torch.distributed is not initialized "
-                               "(call torch.distributed.init_process_group first)")
         self.group = group if group is not None else dist.group.WORLD
+        self.size = _world_size(group)
         self.rank = dist.get_rank(self.group)
-        self.size = dist.get_world_size(self.group)
         if placement.num_ranks != self.size:
             raise ValueError(f"ExpertParallel: the placement is for {placement.num_ranks} ranks, "
                              f"the group has {self.size}")
@@ -105,10 +102,7 @@ class ExpertParallel:
         """This rank's part for a model (its ModelConfig, e.g. zeroinfer.model.model_config):
         the n_routed_experts + redundant_experts slots (rounded up to the group's size) in the
         initial placement (expert i mod E in slot i)."""
-        world = dist.get_world_size(group) if dist.is_initialized() else 0
-        if world < 1:
-            raise RuntimeError("ExpertParallel: torch.distributed is not initialized "
-                               "(call torch.distributed.init_process_group first)")
+        world = _world_size(group)
         E = config.n_routed_experts
         P = num_physical_experts(E, world, redundant_experts)
         return cls(initial_placement(config.num_hidden_layers, E, P, world), group,
@@ -170,6 +164,13 @@ class ExpertParallel:
         part = compute(x_in, m_in[:, :k].contiguous(), m_in[:, k:].contiguous().view(torch.float32))
         back = _exchange(part.to(y.dtype).contiguous(), M, sc, rc, g)
         return _sum_per_token(back, t_sel, T, min(k, N)).to(y.dtype)
+
+
+def _world_size(group: dist.ProcessGroup | None) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ExpertParallel: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first)")
+    return dist.get_world_size(group)
 
 
 def _exchange(x: torch.Tensor, rows_in: int, split_in: list[int], split_out: list[int],

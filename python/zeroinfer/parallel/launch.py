@@ -58,10 +58,9 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 600.0,
                 try:
                     rank, ok, value = results.get(timeout=1.0)
                 except queue.Empty:
-                    # A rank that died before reporting (killed, or it failed to start) would
-                    # leave the others waiting: stop at once.
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                            or (p.exitcode == 0 and r not in got and results.empty())]
+                    # A rank that died before reporting (killed, or it failed to start: every
+                    # other exit reports first) would leave the others waiting: stop at once.
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                     if dead:
                         errors.append(f"rank(s) {dead} exited (codes "
                                       f"{[procs[r].exitcode for r in dead]}) without a result")
