@@ -735,3 +735,85 @@ def test_writer_refuses_to_overwrite_and_bad_arguments(tmp_path, gen):
         save_checkpoint(tmp_path / "x", state, CFG, layout="weird")
     with pytest.raises(ValueError, match="dense float32"):
         save_checkpoint(tmp_path / "y", state, CFG, layout="hf", fp8=True)
+
+
+# ---------------------------------------------------------------- an EP rank's experts only
+
+def _layouts(tmp_path, gen):
+    """The same weights as: native (per-expert MXFP4), HF-internal (stacked dense floats),
+    HF-internal quantized (stacked FP8 gate_up, stacked F4-typed MXFP4 down) and a dump of our
+    own parameter names (stacked packed buffers)."""
+    _, native = write_native(tmp_path, gen)
+    want = params_of(native)
+    hf = save_checkpoint(tmp_path / "hf", want, CFG, layout="hf")
+    q = tmp_path / "hfq"
+    q.mkdir()
+    shutil.copy(hf / "config.json", q)
+    files = read_all(hf)
+    for L in range(CFG.num_hidden_layers):
+        p = f"model.layers.{L}.mlp.experts."
+        w = files[p + "gate_up_proj"].double()
+        E, N, K = w.shape
+        tiles = w.abs().reshape(E, math.ceil(N / 128), 128, math.ceil(K / 128), min(K, 128))
+        s = torch.pow(2.0, torch.ceil(torch.log2(tiles.amax(dim=(2, 4)) / 448)))
+        sf = s.repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[:, :, :K]
+        files[p + "gate_up_proj"] = (w / sf).float().to(torch.float8_e4m3fn)
+        files[p + "gate_up_proj_scale_inv"] = s.float()
+        files[p + "down_proj"] = want[p + "down_blocks"].clone().view(torch.float4_e2m1fn_x2)
+        files[p + "down_proj_scale_inv"] = want[p + "down_scales"].view(torch.float8_e8m0fnu)
+    save_file(files, str(q / "model.safetensors"))
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    shutil.copy(native / "config.json", ours)
+    save_file(want, str(ours / "model.safetensors"))
+    return {"native": native, "hf": hf, "hf-quantized": q, "ours": ours}
+
+
+def test_expert_slots_read_only_those_experts(tmp_path, gen, monkeypatch):
+    """iter_checkpoint(experts=[L, S]) gives each layer's expert buffers as the S slots' experts
+    (replicas included, any order) - exactly the full load's rows - every other parameter as
+    the full load, and reads no byte of an expert outside the slots: a per-expert tensor of
+    another expert is never read, a stacked one only at the needed rows."""
+    from zeroinfer.model import weights
+
+    E, L = CFG.n_routed_experts, CFG.num_hidden_layers
+    for layout, path in _layouts(tmp_path, gen).items():
+        full = dict(iter_checkpoint(path))
+        S = int(torch.randint(1, E + 4, (1,), generator=gen))
+        slots = torch.randint(0, E, (L, S), generator=gen)
+        slots[0, 0] = slots[0, -1]  # a replica at least once
+        reads = []
+        real = weights._Files.read
+
+        def spy(self, key, rows=None, real=real):
+            reads.append((key, rows))
+            return real(self, key, rows)
+
+        monkeypatch.setattr(weights._Files, "read", spy)
+        got = dict(iter_checkpoint(path, experts=slots))
+        monkeypatch.setattr(weights._Files, "read", real)
+        assert set(got) == set(full), layout
+        for name, t in full.items():
+            m = weights.EXPERT_BUFFER.match(name)
+            want = t[slots[int(m[1])]] if m else t
+            assert got[name].shape == want.shape and torch.equal(got[name], want), (layout, name)
+        for key, rows in reads:
+            m = re.search(r"layers\.(\d+)\.(?:ffn|mlp)\.experts\.(\d+)\.", key)
+            if m:  # a per-expert tensor: only experts of its layer's slots
+                assert int(m[2]) in slots[int(m[1])].tolist(), (layout, key)
+            elif (m := re.search(r"layers\.(\d+)\.mlp\.experts\.", key)):  # stacked
+                assert rows == sorted(set(slots[int(m[1])].tolist())), (layout, key, rows)
+            else:
+                assert rows is None, (layout, key)
+        stacked = [k for k, r in reads if r is not None]
+        assert bool(stacked) == (layout != "native"), layout
+
+
+def test_expert_slots_bad_argument_is_named(tmp_path, gen):
+    _, path = write_native(tmp_path, gen)
+    E, L = CFG.n_routed_experts, CFG.num_hidden_layers
+    for bad in (torch.zeros(L + 1, 2, dtype=torch.long), torch.zeros(L, 2),
+                torch.full((L, 2), E), torch.full((L, 2), -1), [[0, 1]] * L,
+                torch.zeros(L, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match="experts"):
+            next(iter_checkpoint(path, experts=bad))

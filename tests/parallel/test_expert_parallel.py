@@ -227,3 +227,36 @@ def test_one_rank_ep_is_bitwise_the_single_device_model(seed):
 def test_one_rank_ep_on_cuda_over_nccl(seed):
     # The exchange's CUDA path (NCCL all-to-all, byte views of bf16 rows) on one GPU.
     assert run_ranks(_one_rank_worker, 1, "cuda", seed, backend="nccl") == [(True, True)]
+
+
+def _checkpoint_worker(rank, world, seed, path):
+    from zeroinfer.model import load
+
+    full = load(path)
+    c = full.config
+    gen = torch.Generator().manual_seed(seed)  # the same placement on every rank
+    pl = _random_placement(gen, c.num_hidden_layers, c.n_routed_experts, world, extra=3)
+    ep = ExpertParallel(pl)
+    m = load(path, ep=ep)
+    local = ep.local_experts()
+    for layer, mod in enumerate(m.net.model.layers):
+        mine = mod.mlp.experts.buffers_of_slots()
+        ref = full.net.model.layers[layer].mlp.experts.buffers_of_slots()
+        for a, b in zip(mine, ref):
+            assert torch.equal(a, b[local[layer]]), (rank, layer)
+    prompt = torch.randint(2, c.vocab_size, (9 + rank,), generator=gen).tolist()
+    got, want = m.logits(prompt), full.logits(prompt)
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def test_ep_ranks_load_their_experts_from_a_checkpoint(seed, tmp_path):
+    # Each rank reads only its slots' experts from the safetensors files (replicas and a
+    # shuffled placement included): its buffers are the full load's rows, and the EP model's
+    # logits match the single-device model's.
+    from zeroinfer.model.dummy import random_state_dict
+    from zeroinfer.model.weights import save_checkpoint
+
+    cfg = dummy_config("tiny")
+    path = save_checkpoint(tmp_path / "ckpt", random_state_dict(cfg, seed), cfg)
+    errs = run_ranks(_checkpoint_worker, 2, seed, str(path))
+    assert all(e < 1e-4 for e in errs), errs

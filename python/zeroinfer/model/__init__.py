@@ -33,21 +33,22 @@ def load(model: str | Path, *, dtype: torch.dtype = torch.float32,
     device = torch.device(device)
     name = str(model)
     config = model_config(name)
+    if ep is not None and ep.device != device:
+        raise ValueError(f"load: the ExpertParallel is on {ep.device}, the model on {device}")
     if _is_dummy(name):
         from zeroinfer.model.dummy import random_state_dict
 
         tensors = iter(random_state_dict(config, seed).items())
+        if ep is not None:  # made whole (from the seed), then cut to this rank's slots
+            from zeroinfer.parallel import local_expert_tensors
+
+            tensors = local_expert_tensors(tensors, config, ep)
     else:
         from zeroinfer.model.weights import iter_checkpoint
 
-        tensors = iter_checkpoint(name, config)
-    if ep is not None:
-        from zeroinfer.parallel import local_expert_tensors
-
-        if ep.device != device:
-            raise ValueError(f"load: the ExpertParallel is on {ep.device}, the model on {device}")
-
-        tensors = local_expert_tensors(tensors, config, ep)
+        # An EP rank reads only its own slots' routed experts from the files.
+        tensors = iter_checkpoint(name, config,
+                                  experts=None if ep is None else _local_experts(ep, config))
     with torch.device("meta"):
         net = DeepseekV4ForCausalLM(config, dtype, ep)
     net = net.to_empty(device=device)
@@ -60,6 +61,13 @@ def load(model: str | Path, *, dtype: torch.dtype = torch.float32,
                 mod.packed()
     net.eval()
     return Model(net, device)
+
+
+def _local_experts(ep: ExpertParallel, config: ModelConfig):
+    from zeroinfer.parallel import check_placement
+
+    check_placement(ep.placement, config)
+    return ep.local_experts()
 
 
 def _is_dummy(name: str) -> bool:

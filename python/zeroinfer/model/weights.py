@@ -4,7 +4,8 @@
 Reading (`iter_checkpoint`) first checks the whole checkpoint from the safetensors headers
 alone (names, dtypes, shapes, scale pairing, expert completeness, missing tensors), then reads
 it tensor by tensor, so peak memory stays about one copy of the weights (plus, transiently, the
-routed experts of one layer while they are stacked).
+routed experts of one layer while they are stacked). An expert-parallel rank reads only the
+routed experts of its own slots (`iter_checkpoint(..., experts=)`).
 
 Formats understood per tensor (a tensor is quantized iff a sibling scale exists):
   * FP8 e4m3 (or its bytes as U8/I8) + 128x128 block scale (`X.scale` / `X.weight_scale_inv`,
@@ -339,10 +340,24 @@ class _Files:
             self._handles[f] = h
         return h
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, rows: list[int] | None = None) -> torch.Tensor:
+        """The tensor, or only its leading-dimension entries `rows` (sorted, distinct), read
+        run by run of consecutive rows so that the others never leave the file."""
         e = self.entries[key]
         try:
-            return self._open(e.file).get_tensor(key)
+            h = self._open(e.file)
+            if rows is None:
+                return h.get_tensor(key)
+            if e.dtype == "F4":  # safetensors 0.8 cannot slice F4: read it whole
+                t = h.get_tensor(key)
+                return t.view(torch.uint8)[rows].view(t.dtype)
+            sl = h.get_slice(key)
+            runs, start = [], 0
+            for i in range(1, len(rows) + 1):
+                if i == len(rows) or rows[i] != rows[i - 1] + 1:
+                    runs.append(sl[rows[start]:rows[i - 1] + 1])
+                    start = i
+            return runs[0] if len(runs) == 1 else torch.cat(runs)
         except Exception as err:
             raise ValueError(f"{e.where()}: cannot read ({err})") from err
 
@@ -588,9 +603,13 @@ def _check_header(files: _Files, r: _Recipe, want: torch.Tensor) -> None:
 # reading
 
 
-def _run(files: _Files, r: _Recipe, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    if r.kind == "plain":
-        t = files.read(r.key)
+def _run(files: _Files, r: _Recipe, config: ModelConfig,
+         slots: list[int] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters of one recipe. slots: for routed experts, the logical expert of each slot
+    to keep (None: every expert, in order)."""
+    need = None if slots is None else sorted(set(slots))
+    if r.kind == "plain":  # (our own stacked expert buffers come this way too)
+        t = _in_slot_order(files.read(r.key, need), need, slots)
         name = r.targets[0]
         if not t.is_floating_point() and t.dtype in (torch.int32, torch.int64):
             t = t.to(torch.int64)
@@ -606,45 +625,70 @@ def _run(files: _Files, r: _Recipe, config: ModelConfig) -> Iterator[tuple[str, 
     elif r.kind == "fp8":
         yield r.targets[0], dequantize_fp8(files.read(r.key), files.read(r.scale), r.key)
     elif r.kind == "experts_hf":
-        blocks, scales = _read_expert(files, r.key, r.scale, r.fmt)
-        yield r.targets[0], blocks
-        yield r.targets[1], scales
-    else:  # experts_native: stack this layer's experts
-        E = config.n_routed_experts
-        got = {ew: _read_expert(files, *spec) for ew, spec in r.experts.items()}
-        gate_up = [torch.cat([got[(e, "w1")][0], got[(e, "w3")][0]]) for e in range(E)]
+        blocks, scales = _read_expert(files, r.key, r.scale, r.fmt, need)
+        yield r.targets[0], _in_slot_order(blocks, need, slots)
+        yield r.targets[1], _in_slot_order(scales, need, slots)
+    else:  # experts_native: stack this layer's experts (only those of `slots`, if given)
+        order = list(range(config.n_routed_experts)) if slots is None else slots
+        keep = set(order)
+        got = {ew: _read_expert(files, *spec) for ew, spec in r.experts.items() if ew[0] in keep}
+        gate_up = [torch.cat([got[(e, "w1")][0], got[(e, "w3")][0]]) for e in order]
         yield r.targets[0], torch.stack(gate_up)
         del gate_up
         yield r.targets[1], torch.stack([torch.cat([got[(e, "w1")][1], got[(e, "w3")][1]])
-                                         for e in range(E)])
-        yield r.targets[2], torch.stack([got[(e, "w2")][0] for e in range(E)])
-        yield r.targets[3], torch.stack([got[(e, "w2")][1] for e in range(E)])
+                                         for e in order])
+        yield r.targets[2], torch.stack([got[(e, "w2")][0] for e in order])
+        yield r.targets[3], torch.stack([got[(e, "w2")][1] for e in order])
 
 
-def _read_expert(files: _Files, key: str, scale: str | None, fmt: str):
-    t = files.read(key)
+def _in_slot_order(t: torch.Tensor, need: list[int] | None, slots: list[int] | None):
+    """t holds the experts `need` (sorted, distinct) along dim 0: one per slot, in slot order."""
+    if slots is None:
+        return t
+    return t[torch.tensor([need.index(e) for e in slots])]
+
+
+def _read_expert(files: _Files, key: str, scale: str | None, fmt: str,
+                 rows: list[int] | None = None):
+    """One routed-expert tensor (one expert's, or HF's stacked [E, ...] - of which only the
+    experts `rows`, when given) as packed MXFP4 bytes and UE8M0 scales."""
+    t = files.read(key, rows)
     if fmt == "mxfp4":
-        return t.view(torch.uint8), _scale_to_ue8m0(files.read(scale), scale)
-    w = dequantize_fp8(t, files.read(scale), key) if fmt == "fp8" else t
+        return t.view(torch.uint8), _scale_to_ue8m0(files.read(scale, rows), scale)
+    w = dequantize_fp8(t, files.read(scale, rows), key) if fmt == "fp8" else t
     return _requantize_exact(w, key)
 
 
-def iter_checkpoint(path, config: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path, config: ModelConfig | None = None, *,
+                    experts: torch.Tensor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (our parameter name, tensor) for every parameter of the model, reading the
     checkpoint directory `path` tensor by tensor. The whole checkpoint is validated from the
     safetensors headers before the first tensor is read. Raises FileNotFoundError / ValueError /
-    TypeError naming the offending file or tensor."""
+    TypeError naming the offending file or tensor.
+
+    experts: [num_hidden_layers, S] integer tensor, the logical routed expert of each of S slots
+    a layer (an expert-parallel rank's: ExpertParallel.local_experts()). The expert buffers then
+    hold those S experts in that order, and no other expert's bytes are read from the files."""
     path = Path(path)
     if config is None:
         config = ModelConfig.from_pretrained(path)
     files = _Files(path)
     params = _expected(config)
-    recipes = _plan(files, config, params)
+    slots = _expert_slots(experts, config)
+    recipes = _plan(files, config, params)  # (checks the files' shapes: all E experts)
+    if slots is not None:  # what comes out: S slots
+        for name, t in params.items():
+            if EXPERT_BUFFER.match(name):
+                params[name] = t.new_empty((len(slots[0]), *t.shape[1:]))
     order = {k: i for i, k in enumerate(files.entries)}
     recipes.sort(key=lambda r: min(order[k] for k in r.keys))
     done: set[str] = set()
     for r in recipes:
-        for name, t in _run(files, r, config):
+        layer = r.layer
+        if layer < 0 and (m := EXPERT_BUFFER.match(r.targets[0])):  # our own names, stored
+            layer = int(m[1])
+        for name, t in _run(files, r, config, None if slots is None or layer < 0
+                            else slots[layer]):
             want = params[name]
             if tuple(t.shape) != tuple(want.shape):  # cannot happen after _plan; belt and braces
                 raise ValueError(f"{path}: {name!r} came out with shape {tuple(t.shape)}, "
@@ -654,6 +698,21 @@ def iter_checkpoint(path, config: ModelConfig | None = None) -> Iterator[tuple[s
     missing = [n for n in params if n not in done]
     if missing:
         raise ValueError(f"{path}: missing tensor(s) {missing[:8]}")
+
+
+def _expert_slots(experts, config: ModelConfig) -> list[list[int]] | None:
+    if experts is None:
+        return None
+    L, E = config.num_hidden_layers, config.n_routed_experts
+    ok = isinstance(experts, torch.Tensor)
+    if (not ok or experts.dim() != 2 or experts.shape[0] != L or experts.shape[1] < 1
+            or experts.is_floating_point() or experts.is_complex()):
+        got = f"{tuple(experts.shape)} {experts.dtype}" if ok else repr(experts)
+        raise ValueError(f"iter_checkpoint: experts must be an integer tensor [{L} layers, "
+                         f"slots >= 1], got {got}")
+    if bool(((experts < 0) | (experts >= E)).any()):
+        raise ValueError(f"iter_checkpoint: experts holds ids outside [0, {E})")
+    return experts.tolist()
 
 
 def dequantized_state(path, config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
