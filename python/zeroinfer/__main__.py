@@ -48,7 +48,7 @@ def _llm(a, ep=None):
     return LLM(a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
                max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
                seed=a.seed, async_scheduling=not a.sync,
-               decode_graphs=False if a.eager or ep else None, kv_cache_dtype=a.kv_cache_dtype,
+               decode_graphs=False if a.eager else None, kv_cache_dtype=a.kv_cache_dtype,
                ep=ep)
 
 

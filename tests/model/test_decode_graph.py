@@ -110,3 +110,19 @@ def test_cuda_decode_graphs_match_eager(gen, dtype):
     assert max(worst) < tol, max(worst)
     assert all(s.graph is not None for s in graphs.graphs.steps.values())
     assert len(graphs.graphs.steps) >= 2  # the row bucket changed, and each class has a graph
+
+
+def test_padding_step_classes_made_under_inference_mode_serve_later_steps(gen):
+    """An expert-parallel rank may first meet a class in a step of padding alone, run under
+    inference mode (ModelRunner.run_in_order); the class's inputs are refilled outside it."""
+    model = load("dummy:tiny", seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+    r = model.runner(max_seqs=2, max_len=32)
+    dg = DecodeGraphs(model.net, r.caches, "cpu")
+    empty = {"window": [], "csa": [], "hca": []}
+    with torch.inference_mode():
+        first = dg.run([], [], [], empty, rows=3)
+    again = dg.run([], [], [], empty, rows=3)
+    assert first.shape == again.shape == (0, model.config.vocab_size)
+    assert list(dg.steps) == [(4, (1, 1, 1))]
+    with pytest.raises(ValueError, match="rows must be in"):
+        dg.run([5], [3], [0], empty, rows=ROW_BUCKETS[-1] + 1)

@@ -66,7 +66,7 @@ def _layer_worker(rank, world, seed, tokens):
     gen = torch.Generator().manual_seed(seed)  # the same weights and placement on every rank
     weights = _expert_weights(gen, E, D, I)
     pl = _random_placement(gen, 1, E, world, extra=4)
-    ep = ExpertParallel(pl)
+    ep = ExpertParallel(pl, load_window=2)
     cfg = replace(dummy_config("tiny"), hidden_size=D, moe_intermediate_size=I,
                   n_routed_experts=E, num_experts_per_tok=k)
     experts = Experts(cfg, ep.slots)
@@ -81,7 +81,25 @@ def _layer_worker(rank, world, seed, tokens):
     def moe(x, ids, w, keys):
         return ep.run(0, x, ids, w, keys, lambda xs, i, ww: experts.run(xs, i, ww, LIMIT))
 
+    counted = ep.load.current.clone()
     out = moe(x, ids, w, keys)
+    counted = ep.load.current - counted
+    # The fixed-capacity form (CUDA graphs): C rows on every rank, these T tokens followed by
+    # junk padding rows marked invalid, gives the same bits and counts the same load.
+    C = max(tokens) + 5
+    junk = C - T
+    xp = torch.cat([x, torch.randn(junk, D, generator=mine)])
+    idsp = torch.cat([ids, torch.randint(0, E, (junk, k), generator=mine, dtype=torch.int32)])
+    wp = torch.cat([w, torch.rand(junk, k, generator=mine)])
+    keysp = torch.cat([keys, torch.randint(0, 1 << 40, (junk,), generator=mine)])
+    valid = torch.arange(C) < T
+    before = ep.load.current.clone()
+    with ep.fixed_capacity(C, valid):
+        fixed = moe(xp, idsp, wp, keysp)
+    same_fixed = torch.equal(fixed[:T], out) and torch.equal(ep.load.current - before, counted)
+    with ep.fixed_capacity(C, valid, loopback=True):  # no collective: this rank alone
+        alone = moe(xp, idsp, wp, keysp)
+    assert alone.shape == (C, D)
     # Batch invariance: the same tokens in another order (a rotation; each rank its own, the
     # group in step) give each token the same bits - its replicas follow its key, not its row.
     rot = torch.roll(torch.arange(T), T // 3) if T else torch.arange(0)
@@ -90,16 +108,16 @@ def _layer_worker(rank, world, seed, tokens):
     assert out.shape == (T, D) and out.dtype == torch.float32
     err = float((out.double() - want).abs().max()) if T else 0.0
     scale = float(want.abs().max()) if T else 1.0
-    return err, scale, invariant
+    return err, scale, invariant, same_fixed
 
 
 def test_ep_moe_layer_matches_float64_moe(seed):
     # Rank 0 has no tokens (it only serves the others'); rank 2's batch takes the dispatch
     # path (more than 256 routed rows), rank 1's the routed-layout path.
     errs = run_ranks(_layer_worker, 3, seed, [0, 37, 100])
-    for err, scale, invariant in errs:
+    for err, scale, invariant, same_fixed in errs:
         assert err <= 1e-4 * max(scale, 1.0), (err, scale)
-        assert invariant
+        assert invariant and same_fixed
 
 
 def _model_worker(rank, world, seed, lengths, idle_rank):
@@ -203,30 +221,51 @@ def _one_rank_worker(rank, world, device, seed):
 
     name = "dummy:tiny"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    ep = ExpertParallel.for_model(model_config(name), redundant_experts=3, device=device)
+    # (rebalanced every 3 engine rounds: the graphs must then be recaptured, or they would
+    # read the old replica tables and prepacked weights)
+    ep = ExpertParallel.for_model(model_config(name), redundant_experts=3, device=device,
+                                  load_window=1, rebalance_interval=3)
     m, full = load(name, dtype=dtype, device=device, ep=ep), load(name, dtype=dtype, device=device)
     gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(2, full.config.vocab_size, (40,), generator=gen).tolist()
+    c = full.config
+    prompt = torch.randint(2, c.vocab_size, (40,), generator=gen).tolist()
     same_logits = torch.equal(m.logits(prompt), full.logits(prompt))
-    kw = dict(tokenizer=None, max_num_seqs=4, max_model_len=96, decode_graphs=False,
-              dtype=dtype, device=device)
+    # A decode step of 3 sequences in the fixed shapes (a class of 4 rows: one padding row)
+    # counts the load of the 3 tokens alone.
+    r = m.runner(max_seqs=3, max_len=48, decode_graphs=True)
+    r.step({s: prompt[s:s + 5] for s in range(3)})
+    before = int(ep.load.current.sum())
+    r.step({s: [prompt[s]] for s in range(3)})
+    counted = int(ep.load.current.sum()) - before == 3 * c.num_experts_per_tok * sum(
+        layer.mlp.ep is not None for layer in m.net.model.layers)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = [prompt[:7], prompt[5:30], prompt[1:4]]
-    got = [o.token_ids for o in LLM(name, ep=ep, **kw).generate(prompts, params, use_tqdm=False)]
-    want = [o.token_ids for o in LLM(name, **kw).generate(prompts, params, use_tqdm=False)]
-    return same_logits, got == want
+    same_tokens = []
+    for graphs in (False, True):  # eager; decode graphs (CUDA: captured NCCL collectives)
+        kw = dict(tokenizer=None, max_num_seqs=4, max_model_len=96, decode_graphs=graphs,
+                  dtype=dtype, device=device)
+        got = [o.token_ids
+               for o in LLM(name, ep=ep, **kw).generate(prompts, params, use_tqdm=False)]
+        want = [o.token_ids for o in LLM(name, **kw).generate(prompts, params, use_tqdm=False)]
+        same_tokens.append(got == want)
+    start = initial_placement(c.num_hidden_layers, c.n_routed_experts, ep.placement.num_physical,
+                              1)
+    moved = not torch.equal(ep.placement.phys_to_logical.cpu(), start.phys_to_logical)
+    return same_logits, counted and moved, same_tokens
 
 
 def test_one_rank_ep_is_bitwise_the_single_device_model(seed):
     # One rank holds every expert (with replicas): each token's experts are summed on it in
     # slot order, as on one device, so the logits agree bit for bit.
-    assert run_ranks(_one_rank_worker, 1, "cpu", seed) == [(True, True)]
+    assert run_ranks(_one_rank_worker, 1, "cpu", seed) == [(True, True, [True, True])]
 
 
 @pytest.mark.gpu
 def test_one_rank_ep_on_cuda_over_nccl(seed):
-    # The exchange's CUDA path (NCCL all-to-all, byte views of bf16 rows) on one GPU.
-    assert run_ranks(_one_rank_worker, 1, "cuda", seed, backend="nccl") == [(True, True)]
+    # The exchange's CUDA paths on one GPU: NCCL all-to-all with byte views of bf16 rows, and
+    # the fixed-capacity form's collectives captured in the decode graphs and replayed.
+    assert run_ranks(_one_rank_worker, 1, "cuda", seed, backend="nccl") == [
+        (True, True, [True, True])]
 
 
 def _checkpoint_worker(rank, world, seed, path):

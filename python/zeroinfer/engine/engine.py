@@ -23,6 +23,7 @@ from zeroinfer.engine.scheduler import ScheduledBatch, Scheduler
 from zeroinfer.model import Model
 from zeroinfer.model.cache import CacheSpec, allocate_caches
 from zeroinfer.model.config import CSA, HCA
+from zeroinfer.model.decode_graph import row_bucket
 from zeroinfer.quant import kv_fp8
 from zeroinfer.sampling_params import SamplingParams
 
@@ -105,12 +106,10 @@ class LLMEngine:
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_model_len=cfg.max_model_len)
         self.ep = model.net.ep  # expert parallelism: every round is a collective of its group
-        if self.ep is not None and (cfg.forbid_host_sync or cfg.decode_graphs):
+        if self.ep is not None and cfg.forbid_host_sync:
             raise ValueError("expert parallelism reads the MoE exchange's row counts on the host "
-                             "each layer: it runs with forbid_host_sync=False and "
-                             "decode_graphs=False (or None)")
+                             "in eager rounds: it runs with forbid_host_sync=False")
         graphs = model.device.type == "cuda" if cfg.decode_graphs is None else cfg.decode_graphs
-        graphs = graphs and self.ep is None
         self.runner = ModelRunner(model.net, caches, model.device, forbid_sync=cfg.forbid_host_sync,
                                   decode_graphs=graphs)
         model.net.rope(model.device)  # build the RoPE tables now, not inside a launch
@@ -211,14 +210,16 @@ class LLMEngine:
         batch = self.scheduler.schedule(prev[0] if (prev and self.cfg.async_scheduling) else None)
         t1 = time.perf_counter()
         handle = None
-        if batch.rows:
-            handle = self.runner.launch(batch, prev[1] if prev else None)
+        prev_handle = prev[1] if prev else None
+        if self.ep is not None:
+            handle = self._expert_parallel_round(batch, prev_handle)
+        elif batch.rows:
+            handle = self.runner.launch(batch, prev_handle)
+        if handle is not None:
             self.live[batch.round_id] = handle
             self.rounds += 1
             if self.history is not None:
                 self.history.append(handle)
-        if self.ep is not None:
-            self._expert_parallel_round(handle is not None)
         t2 = time.perf_counter()
         finished = []
         if prev is not None:  # commit round N while round N+1 runs
@@ -233,17 +234,34 @@ class LLMEngine:
         self.host_time["commit"] += t3 - t2
         return finished
 
-    def _expert_parallel_round(self, launched: bool) -> None:
-        """Keep the group in step: when any rank runs a round, the others run an idle forward
-        (they serve its tokens in every MoE layer); then count the round for the expert-load
-        window and rebalance the experts when due (all ranks at the same round)."""
-        if not self.ep.any_rank(launched):
-            return
-        net = self.model.net
-        if not launched:
-            self.runner.run_in_order(net.idle_forward)
+    def _expert_parallel_round(self, batch: ScheduledBatch,
+                               prev: RoundHandle | None) -> RoundHandle | None:
+        """Launch the round in step with the group: a vote first (does any rank run a round,
+        can every running rank replay a decode graph, and the most rows), then either every
+        rank replays the graph class of the most rows - a rank with no sequences one of padding
+        alone - or every rank runs eagerly, a rank with no sequences an idle forward (its MoE
+        layers serve the others' tokens). Then the round is counted for the expert-load window
+        and the experts are rebalanced when due (all ranks at the same round)."""
+        launched = bool(batch.rows)
+        rows = self.runner.graph_rows(batch) if launched else 0
+        any_launched, any_eager, most = self.ep.group_max(
+            [int(launched), int(launched and rows is None), rows or 0])
+        if not any_launched:
+            return None
+        graph = row_bucket(most) if self.runner.graphs is not None and not any_eager else None
+        handle = None
+        if launched:
+            handle = self.runner.launch(batch, prev, graph=graph or False)
+        else:
+            self.runner.run_idle(graph)
         if self.ep.end_step():
-            self.runner.run_in_order(net.rebalance_experts)
+            self.runner.run_in_order(self._rebalance_experts)
+        return handle
+
+    def _rebalance_experts(self) -> None:
+        # Moved experts and new replica tables: the decode graphs read the old ones.
+        if self.model.net.rebalance_experts() and self.runner.graphs is not None:
+            self.runner.graphs.reset()
 
     def drain(self) -> None:
         while self.has_work():

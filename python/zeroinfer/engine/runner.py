@@ -177,6 +177,16 @@ class ModelRunner:
             self.emulated.close()
             self.emulated = None
 
+    def run_idle(self, graph_rows: int | None) -> None:
+        """Expert parallelism, a round this rank has no sequences for: serve the others' tokens
+        in every MoE layer - a decode graph of padding alone in the group's row class, or an
+        eager idle forward."""
+        if graph_rows is None:
+            self.run_in_order(self.net.idle_forward)
+        else:
+            empty = {k: [] for k in KINDS}
+            self.run_in_order(lambda: self.graphs.run([], [], [], empty, rows=graph_rows))
+
     def run_in_order(self, fn: Callable[[], object]) -> None:
         """Run device work that is not a round (an expert-parallel rank's idle forward, an
         expert rebalance) after every launched round: on CUDA enqueued now, in stream order; on
@@ -226,11 +236,27 @@ class ModelRunner:
     def _tensor(self, data, dtype) -> torch.Tensor:
         return host_tensor(data, self.device, dtype)
 
+    def graph_rows(self, batch: ScheduledBatch) -> int | None:
+        """The rows of a round that can replay a decode graph (one token a row, each sampled,
+        a class for that many rows), else None."""
+        rows = batch.rows
+        if self.graphs is None or not self.graphs.takes(len(rows)) or not all(
+                r.num_tokens == 1 and r.sample and not r.all_logits for r in rows):
+            return None
+        return len(rows)
+
     # --- device side ------------------------------------------------------------------------
-    def launch(self, batch: ScheduledBatch, prev: RoundHandle | None) -> RoundHandle:
-        """Enqueue the round; returns at once (no host synchronisation)."""
+    def launch(self, batch: ScheduledBatch, prev: RoundHandle | None, *,
+               graph: bool | int = True) -> RoundHandle:
+        """Enqueue the round; returns at once (no host synchronisation). graph: True to replay
+        a decode graph where the round allows (graph_rows), False to run it eagerly, or the
+        row class to replay it in (>= its rows; expert parallelism: the group's choice)."""
         handle = RoundHandle(batch, self.cuda)
         host = self._host_inputs(batch)
+        if graph is True:
+            host["graph"] = self.graph_rows(batch)
+        else:
+            host["graph"] = graph or None
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True) if self.timing else None
             if start is not None:
@@ -274,10 +300,10 @@ class ModelRunner:
                 cu[1:] - cu[:-1] + self._tensor(host["ctx"], i32), positions, input_ids)
             input_ids, positions = fixed.input_ids, fixed.positions
         batch = handle.batch
-        if self.graphs is not None and self.graphs.takes(len(batch.rows)) and all(
-                r.num_tokens == 1 and r.sample and not r.all_logits for r in batch.rows):
+        if host["graph"] is not None:
             # a decode round: one token a row, each sampled (model/decode_graph.py)
-            logits = self.graphs.run(input_ids, host["ctx"], host["slots"], host["tables"])
+            logits = self.graphs.run(input_ids, host["ctx"], host["slots"], host["tables"],
+                                     rows=host["graph"])
         else:  # every round runs the forward: prompt chunks that sample nothing fill the caches
             fb = ForwardBatch(
                 input_ids=input_ids.to(i64), positions=positions.to(i64), cu_seqlens=host["cu"],

@@ -14,10 +14,18 @@ padding rows alone, so capturing it writes nothing that a sequence reads.
 
 On the CPU the same fixed-shape forward runs eagerly: CI tests the form the GPU captures.
 Graphs hold the weights' and caches' addresses: make the DecodeGraphs after loading, and a new
-one if the weights or caches are replaced.
+one if the weights or caches are replaced (or `reset()` it).
+
+Under expert parallelism a step's MoE layers exchange a fixed number of rows with every rank
+(ExpertParallel.fixed_capacity, its padding rows marked): all ranks must run steps of the same
+row class together, a rank with no sequences a step of padding alone (`run(..., rows=)`); the
+caller agrees on the class with the group first. A graph's warm-up runs exchange nothing (one
+rank captures alone); replays exchange for real.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -43,11 +51,16 @@ def width_bucket(blocks: int) -> int:
 class FixedStep:
     """One class's fixed inputs (on the device) and, on CUDA, its graph and output."""
 
+    # Normal tensors even when made under inference mode (an expert-parallel rank's first
+    # step of a class may be a padding step, run by ModelRunner.run_in_order): the rounds
+    # refill them outside it.
+    @torch.inference_mode(False)
     def __init__(self, rows: int, widths: dict[str, int], device: torch.device) -> None:
         i64 = dict(dtype=torch.int64, device=device)
         self.rows, self.widths = rows, widths
         self.ids = torch.zeros(rows, **i64)
-        self.meta = torch.zeros(2, rows, **i64)  # context lengths (= positions), state slots
+        # context lengths (= positions), state slots, 1 for a sequence's row / 0 for padding
+        self.meta = torch.zeros(3, rows, **i64)
         self.tables = {k: torch.full((rows, w), -1, dtype=torch.int32, device=device)
                        for k, w in widths.items()}
         self.seq = torch.arange(rows, **i64)
@@ -98,19 +111,24 @@ class DecodeGraphs:
         return 1 <= rows <= self.max_rows
 
     def run(self, input_ids, context_lens: list[int], state_slots: list[int],
-            tables: dict[str, torch.Tensor | list[list[int]]]) -> torch.Tensor:
+            tables: dict[str, torch.Tensor | list[list[int]]], *,
+            rows: int | None = None) -> torch.Tensor:
         """One step of S = len(context_lens) sequences: input_ids (a list, or a device tensor
         [S] such as the previous round's samples), each sequence's context length (the tokens
         cached before this one: its new token's position), state slot and block tables (per
         kind, "window" / "csa" / "hca": lists of block ids, or an int32 CPU tensor [S, w] with
-        -1 past each row's blocks)."""
+        -1 past each row's blocks). rows: run in the class of that many rows (>= S; S may be
+        0), not of S's: what an expert-parallel group agreed on."""
         S = len(context_lens)
-        if not S or len(state_slots) != S:
+        if len(state_slots) != S or (rows is None and not S):
             raise ValueError(f"decode graphs: context_lens and state_slots must have one entry "
                              f"a sequence (>= 1), got {S} and {len(state_slots)}")
+        if rows is not None and not S <= rows <= self.max_rows:
+            raise ValueError(f"decode graphs: rows must be in [{S} sequences, {self.max_rows}], "
+                             f"got {rows}")
         tables = {k: _table(tables[k]) for k in KINDS}
         widths = {k: width_bucket(tables[k].shape[1]) for k in KINDS}
-        key = (row_bucket(S), tuple(widths[k] for k in KINDS))
+        key = (row_bucket(S if rows is None else rows), tuple(widths[k] for k in KINDS))
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = FixedStep(key[0], widths, self.device)
@@ -118,15 +136,34 @@ class DecodeGraphs:
                 self._capture(step)
         self._fill(step, input_ids, context_lens, state_slots, tables)
         if not self.cuda:
-            return self.net(step.batch(), self.caches)[:S]
+            with self._exchange(step):
+                return self.net(step.batch(), self.caches)[:S]
         step.graph.replay()
         return step.logits[:S]
+
+    def reset(self) -> None:
+        """Drop every captured step (recaptured on next use): after the weights a graph reads
+        changed where they lie - an expert-parallel rebalance rewrote the expert slots (the
+        kernels' prepacked copies are rebuilt elsewhere) and the replica tables."""
+        self.steps.clear()
+
+    @contextmanager
+    def _exchange(self, step: FixedStep, loopback: bool = False):
+        """Expert parallelism: the step's MoE layers exchange a fixed step.rows rows with each
+        rank, the padding rows (meta[2] == 0) routed nowhere."""
+        ep = getattr(self.net, "ep", None)
+        if ep is None:
+            yield
+            return
+        with ep.fixed_capacity(step.rows, step.meta[2] != 0, loopback=loopback):
+            yield
 
     def _fill(self, step: FixedStep, input_ids, context_lens, state_slots, tables) -> None:
         """The step's inputs into the class's fixed tensors; rows past S are padding."""
         n, S = step.rows, len(context_lens)
         pad = n - S
-        meta = [list(context_lens) + [0] * pad, list(state_slots) + [self.scratch_slot] * pad]
+        meta = [list(context_lens) + [0] * pad, list(state_slots) + [self.scratch_slot] * pad,
+                [1] * S + [0] * pad]
         step.meta.copy_(host_tensor(meta, self.device), non_blocking=True)
         if isinstance(input_ids, torch.Tensor):
             step.ids[:S].copy_(input_ids.view(-1), non_blocking=True)
@@ -154,12 +191,12 @@ class DecodeGraphs:
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), self._exchange(step, loopback=True):
                 for _ in range(2):
                     self.net(step.batch(), self.caches)
             torch.cuda.current_stream(self.device).wait_stream(side)
             step.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(step.graph, pool=self.pool):
+            with torch.cuda.graph(step.graph, pool=self.pool), self._exchange(step):
                 step.logits = self.net(step.batch(), self.caches)
         finally:
             torch.cuda.set_sync_debug_mode(guard)

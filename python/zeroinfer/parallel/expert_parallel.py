@@ -12,14 +12,22 @@ holds S of the P physical expert slots (`Placement`). In an MoE layer each rank
      rank);
   4. gets the partial rows back and adds them up per token in rank order.
 
-The counts are exchanged first and read on the host, so the layer runs eagerly (no CUDA graph).
+The counts are exchanged first and read on the host, so that form runs eagerly. Inside
+`fixed_capacity(C)` (decode graphs: model/decode_graph.py) the layer reads nothing on the host and
+can be captured in a CUDA graph: every rank's C token rows go to every rank (an all-gather; a
+token's metadata names no local slot on a rank that holds none of its experts, which then adds
+nothing), and C partial rows come back from each rank. It moves N x C rows each way instead of
+one row per (token, rank holding one of its experts) - about 1.5x at 8 ranks and top-6 - the
+price of fixed shapes on NCCL, whose collectives take their sizes from the host.
 A token's result depends only on the token (its routing, its replica hash) and the placement,
-never on the batch: the summation order is fixed (slots inside a rank, then ranks in order).
+never on the batch or on the form: the summation order is fixed (slots inside a rank, then
+ranks in order; a rank holding none of its experts adds an exact zero).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -66,12 +74,39 @@ class ExpertParallel:
         self.load = (ExpertLoad(placement.num_layers, placement.num_logical, load_window,
                                 self.device) if load_window > 0 else None)
         self.rebalance_interval = rebalance_interval
+        self._fixed: tuple[int, torch.Tensor | None, bool] | None = None  # fixed_capacity's
+        # The group's communicator is made now, by a collective every rank runs here: NCCL
+        # makes it lazily, on first use, which must not be inside a CUDA graph's capture.
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank of the group (a host-side collective)."""
-        t = torch.tensor([int(flag)], dtype=torch.int32)
+        return bool(self.group_max([int(flag)])[0])
+
+    def group_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of `values` over the group's ranks (a host-side collective:
+        every rank passes as many)."""
+        t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.vote_group)
-        return bool(t.item())
+        return t.tolist()
+
+    @contextmanager
+    def fixed_capacity(self, capacity: int, valid: torch.Tensor | None = None, *,
+                       loopback: bool = False) -> Iterator[None]:
+        """Inside, `run` exchanges `capacity` token rows with every rank and reads nothing on
+        the host (CUDA-graph capturable). Every rank must be inside with the same capacity for
+        the same layers. valid: [>= T] bool on the device, False for padding rows (no expert,
+        not counted in the load). loopback: no collective at all - the rows come back to this
+        rank as if every rank had sent these (results meaningless, shapes and allocations those
+        of the real exchange): for a graph's warm-up runs, which one rank makes alone."""
+        if capacity < 1:
+            raise ValueError(f"ExpertParallel.fixed_capacity: capacity must be >= 1, got "
+                             f"{capacity}")
+        old, self._fixed = self._fixed, (capacity, valid, loopback)
+        try:
+            yield
+        finally:
+            self._fixed = old
 
     def end_step(self) -> bool:
         """Close this step's expert counts; True when a rebalance is due."""
@@ -137,6 +172,8 @@ class ExpertParallel:
         """The routed experts' output [T, D] (y's dtype) for this rank's tokens (token_keys [T]
         int: what picks a token's replicas, see `replicas`). A collective: every rank of the
         group calls it for every MoE layer, with T = 0 if it has no tokens."""
+        if self._fixed is not None:
+            return self._run_fixed(layer, y, topk_ids, topk_weights, token_keys, compute)
         if self.load is not None:
             self.load.record(layer, topk_ids)
         N, S, g = self.size, self.slots, self.group
@@ -164,6 +201,57 @@ class ExpertParallel:
         part = compute(x_in, m_in[:, :k].contiguous(), m_in[:, k:].contiguous().view(torch.float32))
         back = _exchange(part.to(y.dtype).contiguous(), M, sc, rc, g)
         return _sum_per_token(back, t_sel, T, min(k, N)).to(y.dtype)
+
+
+    def _run_fixed(self, layer: int, y: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, token_keys: torch.Tensor,
+                   compute: LocalExperts) -> torch.Tensor:
+        """`run` inside fixed_capacity: C rows to and from every rank, no host reads."""
+        C, valid, loopback = self._fixed
+        N, S, g = self.size, self.slots, self.group
+        T, k = topk_ids.shape
+        D, dev = y.shape[1], y.device
+        if T > C:
+            raise ValueError(f"ExpertParallel: {T} tokens exceed the fixed capacity {C}")
+        ids = topk_ids.long()
+        if valid is not None:  # padding rows route nowhere
+            ids = torch.where(valid[:T].unsqueeze(1), ids, -1)
+        if self.load is not None:
+            self.load.record(layer, ids)
+        phys = self.replicas(layer, ids.clamp(min=0), token_keys)
+        dest = torch.where(ids >= 0, phys // S, -1)
+        # Rank d's metadata: the local slot of each of a token's experts that d holds, else -1.
+        mine = dest.unsqueeze(0) == torch.arange(N, device=dev).view(N, 1, 1)  # [N, T, k]
+        meta = torch.full((N, C, 2 * k), -1, dtype=torch.int32, device=dev)
+        meta[:, :T, :k] = torch.where(mine, (phys % S).unsqueeze(0), -1).to(torch.int32)
+        meta[:, :T, k:] = torch.where(mine, topk_weights.float().unsqueeze(0),
+                                      0.0).view(torch.int32)
+        meta[:, T:, k:] = 0  # (0.0's bits)
+        x = y.new_zeros(C, D)
+        x[:T] = y
+        if loopback:
+            x_in, m_in = x.repeat(N, 1), meta.view(N * C, 2 * k)
+        else:
+            x_in = _gather_rows(x, N, g)
+            m_in = _exchange(meta.view(N * C, 2 * k), N * C, [C] * N, [C] * N, g)
+        part = compute(x_in, m_in[:, :k].contiguous(), m_in[:, k:].contiguous().view(torch.float32))
+        part = part.to(y.dtype).contiguous()
+        back = part if loopback else _exchange(part, N * C, [C] * N, [C] * N, g)
+        back = back.view(N, C, D)[:, :T].float()
+        out = back[0]  # (then += in rank order: a rank holding none of the token's experts
+        for r in range(1, N):  # sent an exact zero, so the sum is the variable form's)
+            out = out + back[r]
+        return out.to(y.dtype)
+
+
+def _gather_rows(x: torch.Tensor, n: int, group) -> torch.Tensor:
+    """all_gather_into_tensor of every rank's [C, D] rows -> [n * C, D] (16-bit as bytes)."""
+    out = x.new_empty(n * x.shape[0], *x.shape[1:])
+    if x.element_size() == 2:
+        dist.all_gather_into_tensor(out.view(torch.uint8), x.view(torch.uint8), group=group)
+    else:
+        dist.all_gather_into_tensor(out, x, group=group)
+    return out
 
 
 def _world_size(group: dist.ProcessGroup | None) -> int:
