@@ -20,7 +20,6 @@ import argparse
 from pathlib import Path
 
 import torch
-
 from zeroinfer.testing import bench
 
 MODEL = "dummy"

@@ -47,7 +47,12 @@ def __getattr__(name: str):
         from zeroinfer.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutput":
+        from zeroinfer.structured_output import StructuredOutput
+
+        return StructuredOutput
     raise AttributeError(f"module 'zeroinfer' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__", "build_info"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__",
+           "build_info"]

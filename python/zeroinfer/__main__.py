@@ -40,6 +40,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    so = p.add_mutually_exclusive_group()  # structured output (xgrammar)
+    so.add_argument("--json-schema", default=None,
+                    help="keep the output to this JSON schema (its text, or @file), as compact "
+                         "JSON (no whitespace between tokens: a model cannot pad it forever)")
+    so.add_argument("--regex", default=None, help="keep the output to this regular expression")
+    so.add_argument("--choice", action="append", default=None,
+                    help="the output is one of these strings (repeat the flag)")
 
 
 def _llm(a, ep=None):
@@ -103,10 +110,22 @@ def _generate_ep(a, prompts: list[str]) -> list[dict]:
 
 
 def _params(a):
-    from zeroinfer import SamplingParams
+    from zeroinfer import SamplingParams, StructuredOutput
 
+    so = None
+    if a.json_schema is not None:
+        text = a.json_schema
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        so = StructuredOutput(json=text, any_whitespace=False)
+    elif a.regex is not None:
+        so = StructuredOutput(regex=a.regex)
+    elif a.choice:
+        so = StructuredOutput(choice=a.choice)
     return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
-                          top_p=a.top_p, min_p=a.min_p, stop=a.stop, ignore_eos=a.ignore_eos)
+                          top_p=a.top_p, min_p=a.min_p, stop=a.stop, ignore_eos=a.ignore_eos,
+                          structured=so)
 
 
 def cmd_generate(a) -> int:

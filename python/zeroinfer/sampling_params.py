@@ -17,6 +17,8 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from zeroinfer.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 SEED_LIMIT = 2**63  # seeds are non-negative int64 values
 
@@ -55,6 +57,8 @@ class SamplingParams:
     seed            None (the engine draws one) or an int in [0, 2**63).
     logprobs        None = no log-probabilities; k in [0, 20] = the sampled token's logprob
                     plus the k most likely alternatives (of the raw, unfiltered distribution).
+    structured      None, or a StructuredOutput (zeroinfer.structured_output): the output is
+                    kept to a JSON schema, a regex, a grammar or a list of choices (xgrammar).
     """
 
     temperature: float = 1.0
@@ -67,6 +71,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -119,6 +124,10 @@ class SamplingParams:
                 )
             put("logprobs", lp)
 
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise TypeError("SamplingParams.structured must be None or a StructuredOutput, got "
+                            f"{type(self.structured).__name__}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -162,4 +171,4 @@ def _stop_ids(ids: object) -> tuple[int, ...]:
     return tuple(out)
 
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "StructuredOutput"]

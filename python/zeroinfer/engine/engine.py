@@ -161,9 +161,22 @@ class LLMEngine:
             from zeroinfer.tokenizer import IncrementalDetokenizer
 
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)
+        if params.structured is not None:
+            req.matcher = self._grammars().matcher(params.structured)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
+
+    def _grammars(self):
+        """Structured output's grammar compiler (made on first use: xgrammar is optional)."""
+        if self.runner.grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer (the LLM has none)")
+            from zeroinfer.structured_output import GrammarBackend
+
+            self.runner.grammars = GrammarBackend.shared(self.tokenizer,
+                                                         self.model.config.vocab_size)
+        return self.runner.grammars
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -189,6 +202,11 @@ class LLMEngine:
 
     def _on_token(self, req: Request, tok: int) -> str | None:
         p = req.params
+        if req.matcher is not None:  # the token was drawn from its mask: the matcher takes it
+            if not req.matcher.accept_token(tok):  # (cannot happen: the mask allowed it)
+                return "abort"
+            if req.matcher.is_terminated():  # the language is complete (its end-of-sequence)
+                return "stop"
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
             return "stop"
         if req.detok is not None:

@@ -42,6 +42,8 @@ class Request:
     blocks: dict[str, list[int]] = field(default_factory=dict)
     num_preemptions: int = 0
     detok: object | None = None  # IncrementalDetokenizer when stop strings are used
+    # structured output's grammar matcher (zeroinfer.structured_output), at the committed tokens
+    matcher: object | None = None
     text: str = ""
 
     @property

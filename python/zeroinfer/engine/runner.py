@@ -171,6 +171,7 @@ class ModelRunner:
         self.emulated = None if self.cuda else EmulatedDevice()
         self.timing = False  # record each round's device start/end (bench: idle gaps)
         self.block_tables = HostBlockTables()
+        self.grammars = None  # structured output's GrammarBackend, once a request needs it
 
     def close(self) -> None:
         if self.emulated is not None:
@@ -227,11 +228,17 @@ class ModelRunner:
             elif r.sample:
                 logits_rows.append(cu[i + 1] - 1)
         reqs = [rows[i].req for i in sample_rows]
+        # Structured output: the allowed tokens of each sampling row, from its matcher (on the
+        # host, now: the matchers follow the commits, which run on this thread).
+        matchers = [q.matcher for q in reqs]
+        allowed = (self.grammars.token_bitmask(matchers)
+                   if any(m is not None for m in matchers) else None)
         return dict(ids=ids, pos=pos, cu=cu, remap=remap, tables=tables,
                     ctx=[r.start for r in rows], slots=[r.req.slot for r in rows],
                     logits_rows=logits_rows,
                     sampling=([q.params for q in reqs], [q.seed for q in reqs],
-                              [rows[i].start + rows[i].num_tokens for i in sample_rows]))
+                              [rows[i].start + rows[i].num_tokens for i in sample_rows],
+                              allowed))
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         return host_tensor(data, self.device, dtype)
@@ -325,8 +332,8 @@ class ModelRunner:
                 offset += 1
         if n_sample:
             sample_idx = [k for k, i in enumerate(self._logits_order(batch)) if batch.rows[i].sample]
-            params, seeds, spos = host["sampling"]
-            sb = SamplingBatch.build(params, seeds, spos, self.device)
+            params, seeds, spos, allowed = host["sampling"]
+            sb = SamplingBatch.build(params, seeds, spos, self.device, allowed)
             res = sample(logits[self._tensor(sample_idx, i64)] if len(sample_idx) != logits.shape[0]
                          else logits, sb)
             handle.tokens = res.tokens

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroinfer.sampling_params import SEED_LIMIT, SamplingParams
+from zeroinfer.structured_output import allowed_tokens
 
 
 def _s64(x: int) -> int:
@@ -99,6 +100,9 @@ class SamplingBatch:
     be True when some row uses top-k/top-p (needs_sort) or has temperature > 0 (any_sampled).
     Leaving them True is always correct; `build` sets them exactly. Skipping never changes a
     row's token.
+
+    allowed: None, or int32 [R, words] on the device, the structured-output token bitmask
+    (zeroinfer.structured_output.allowed_tokens): a row draws only among its allowed tokens.
     """
 
     temperature: torch.Tensor
@@ -110,6 +114,7 @@ class SamplingBatch:
     max_logprobs: int = -1
     needs_sort: bool = True
     any_sampled: bool = True
+    allowed: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.temperature.shape[0]
@@ -121,6 +126,7 @@ class SamplingBatch:
         seeds: Sequence[int],
         positions: Sequence[int],
         device: torch.device | str,
+        allowed: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """One row per request: `seeds` are resolved by the engine (a request without a seed
         gets one from the engine's RNG), each in [0, 2**63); `positions` are the absolute
@@ -151,7 +157,8 @@ class SamplingBatch:
         def put(values, dtype):
             # Pinned host memory + non_blocking: the copy never makes the host wait, so build()
             # can sit in the engine's launch path.
-            t = torch.tensor(values, dtype=dtype)
+            t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values,
+                                                                                    dtype=dtype)
             if device.type == "cuda":
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
@@ -166,6 +173,7 @@ class SamplingBatch:
             max_logprobs=max(requested, default=-1),
             needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
             any_sampled=bool(sampled),
+            allowed=None if allowed is None else put(allowed, torch.int32),
         )
 
 
@@ -196,6 +204,13 @@ def _check(logits: torch.Tensor, batch: SamplingBatch) -> None:
             raise ValueError(f"sample: batch.{name} must have shape [{R}], got {tuple(t.shape)}")
         if t.device != logits.device:
             raise ValueError(f"sample: batch.{name} is on {t.device}, logits on {logits.device}")
+    a = batch.allowed
+    if a is not None:
+        if a.dtype != torch.int32 or a.dim() != 2 or a.shape[0] != R or a.shape[1] < 1:
+            raise ValueError(f"sample: batch.allowed must be an int32 bitmask [{R}, words], got "
+                             f"{a.dtype} {tuple(a.shape)}")
+        if a.device != logits.device:
+            raise ValueError(f"sample: batch.allowed is on {a.device}, logits on {logits.device}")
 
 
 def _sampled_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -237,13 +252,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     under `batch` (see the module docstring for the exact semantics). Never synchronises with
     the host."""
     _check(logits, batch)
-    logits = logits.float()
+    logits = raw = logits.float()
     V = logits.shape[1]
+    if batch.allowed is not None:  # structured output: the draw among the allowed tokens
+        logits = raw.masked_fill(~allowed_tokens(batch.allowed, V), float("-inf"))
     greedy = torch.argmax(logits, dim=-1)  # first maximum = lowest id
     if batch.any_sampled:
         tokens = torch.where(batch.temperature > 0, _sampled_tokens(logits, batch), greedy)
     else:
         tokens = greedy
+    logits = raw  # (the logprobs: of the raw distribution)
     lse = torch.logsumexp(logits, dim=-1)
     logprob = logits.gather(1, tokens[:, None]).squeeze(1) - lse
     out = SampleResult(tokens=tokens, logprob=logprob)
