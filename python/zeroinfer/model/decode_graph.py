@@ -123,9 +123,9 @@ class DecodeGraphs:
         if len(state_slots) != S or (rows is None and not S):
             raise ValueError(f"decode graphs: context_lens and state_slots must have one entry "
                              f"a sequence (>= 1), got {S} and {len(state_slots)}")
-        if rows is not None and not S <= rows <= self.max_rows:
-            raise ValueError(f"decode graphs: rows must be in [{S} sequences, {self.max_rows}], "
-                             f"got {rows}")
+        if rows is not None and not max(S, 1) <= rows <= self.max_rows:
+            raise ValueError(f"decode graphs: rows must be in [max(1, {S} sequences), "
+                             f"{self.max_rows}], got {rows}")
         tables = {k: _table(tables[k]) for k in KINDS}
         widths = {k: width_bucket(tables[k].shape[1]) for k in KINDS}
         key = (row_bucket(S if rows is None else rows), tuple(widths[k] for k in KINDS))
