@@ -127,9 +127,17 @@ def test_outputs_are_in_the_language(llms, gen, async_scheduling):
     # Unconstrained requests beside them: the same tokens as alone.
     alone = llm.generate(free, free_params, use_tqdm=False)
     assert [o.token_ids for o in outs[-2:]] == [o.token_ids for o in alone]
-    # A seed gives the same constrained output again.
-    again = llm.generate(prompts[1:2], params[1:2], use_tqdm=False)
+    # A seed gives the same constrained output again, a token a round (its sampling waits for
+    # the commit before, not its row).
+    steps = []
+    step = llm.engine.step
+    llm.engine.step = lambda: steps.append(1) or step()
+    try:
+        again = llm.generate(prompts[1:2], params[1:2], use_tqdm=False)
+    finally:
+        del llm.engine.step
     assert again[0].token_ids == outs[1].token_ids
+    assert len(steps) <= len(again[0].token_ids) + 2  # (+2: the one ahead, the last commit)
     assert llm.engine.blocks.all_free()
 
 

@@ -9,10 +9,11 @@ on what is left; the logprobs reported stay those of the raw distribution). When
 commits, the matcher accepts the token; once the language is complete it allows only the end of
 sequence, and accepting that finishes the request ("stop").
 
-The mask of a row's token needs the row's previous token on the host, so a constrained request
-stays out of the one-round-ahead pipeline: it is given a decode row only once its last token is
-committed (every other round under the zero-overhead scheduler, every round when synchronous),
-while the other requests of the batch run ahead as usual.
+The mask of a row's token needs the row's previous token in its matcher. Under the zero-overhead
+scheduler that token is still on the device when the next round is launched, so a round with a
+constrained row launches its forward at once and its sampling only after the round before is
+committed (ModelRunner.launch(defer_sampling=True), then launch_sampling): the device runs the
+forward meanwhile, and the constrained request decodes every round.
 """
 
 from __future__ import annotations

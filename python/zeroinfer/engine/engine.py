@@ -229,10 +229,14 @@ class LLMEngine:
         t1 = time.perf_counter()
         handle = None
         prev_handle = prev[1] if prev else None
+        # Structured output: the masks of a round's draws need the previous round's tokens in
+        # the matchers, so with a round in flight its sampling waits for that commit (below).
+        defer = prev is not None and any(batch.rows[i].req.matcher is not None
+                                         for i in batch.sample_rows)
         if self.ep is not None:
-            handle = self._expert_parallel_round(batch, prev_handle)
+            handle = self._expert_parallel_round(batch, prev_handle, defer)
         elif batch.rows:
-            handle = self.runner.launch(batch, prev_handle)
+            handle = self.runner.launch(batch, prev_handle, defer_sampling=defer)
         if handle is not None:
             self.live[batch.round_id] = handle
             self.rounds += 1
@@ -242,6 +246,8 @@ class LLMEngine:
         finished = []
         if prev is not None:  # commit round N while round N+1 runs
             finished += self._commit(*prev)
+        if handle is not None and defer:
+            self.runner.launch_sampling(handle)
         self.inflight = (batch, handle) if handle is not None else None
         if not self.cfg.async_scheduling and self.inflight is not None:
             finished += self._commit(*self.inflight)
@@ -252,8 +258,8 @@ class LLMEngine:
         self.host_time["commit"] += t3 - t2
         return finished
 
-    def _expert_parallel_round(self, batch: ScheduledBatch,
-                               prev: RoundHandle | None) -> RoundHandle | None:
+    def _expert_parallel_round(self, batch: ScheduledBatch, prev: RoundHandle | None,
+                               defer: bool) -> RoundHandle | None:
         """Launch the round in step with the group: a vote first (does any rank run a round,
         can every running rank replay a decode graph, and the most rows), then either every
         rank replays the graph class of the most rows - a rank with no sequences one of padding
@@ -269,7 +275,7 @@ class LLMEngine:
         graph = row_bucket(most) if self.runner.graphs is not None and not any_eager else None
         handle = None
         if launched:
-            handle = self.runner.launch(batch, prev, graph=graph or False)
+            handle = self.runner.launch(batch, prev, graph=graph or False, defer_sampling=defer)
         else:
             self.runner.run_idle(graph)
         if self.ep.end_step():

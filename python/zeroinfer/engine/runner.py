@@ -62,6 +62,7 @@ class RoundHandle:
         self.host: dict[str, torch.Tensor] = {}
         self.prompt_logits: dict[int, torch.Tensor] = {}
         self.span: tuple | None = None  # device-side (start, end) marks when timing is on
+        self.deferred: tuple | None = None  # (host inputs, logits, start): sampling to launch
 
     def device_interval(self) -> tuple[float, float] | None:
         """(start, end) of this round's device work in seconds on a common clock (CUDA: relative
@@ -211,7 +212,16 @@ class ModelRunner:
         handle.wait()
 
     # --- host side: build inputs ------------------------------------------------------------
-    def _host_inputs(self, batch: ScheduledBatch) -> dict:
+    def _allowed(self, reqs) -> torch.Tensor | None:
+        """Structured output: the sampling rows' token bitmask from their matchers (on the host:
+        the matchers follow the commits, which run on this thread), or None."""
+        matchers = [None if q.matcher is None or q.matcher.is_terminated() else q.matcher
+                    for q in reqs]
+        if all(m is None for m in matchers):
+            return None
+        return self.grammars.token_bitmask(matchers)
+
+    def _host_inputs(self, batch: ScheduledBatch, masks: bool = True) -> dict:
         rows = batch.rows
         ids, pos, cu, remap = [], [], [0], []
         for r in rows:
@@ -228,11 +238,7 @@ class ModelRunner:
             elif r.sample:
                 logits_rows.append(cu[i + 1] - 1)
         reqs = [rows[i].req for i in sample_rows]
-        # Structured output: the allowed tokens of each sampling row, from its matcher (on the
-        # host, now: the matchers follow the commits, which run on this thread).
-        matchers = [q.matcher for q in reqs]
-        allowed = (self.grammars.token_bitmask(matchers)
-                   if any(m is not None for m in matchers) else None)
+        allowed = self._allowed(reqs) if masks else None  # (else launch_sampling's)
         return dict(ids=ids, pos=pos, cu=cu, remap=remap, tables=tables,
                     ctx=[r.start for r in rows], slots=[r.req.slot for r in rows],
                     logits_rows=logits_rows,
@@ -254,12 +260,15 @@ class ModelRunner:
 
     # --- device side ------------------------------------------------------------------------
     def launch(self, batch: ScheduledBatch, prev: RoundHandle | None, *,
-               graph: bool | int = True) -> RoundHandle:
+               graph: bool | int = True, defer_sampling: bool = False) -> RoundHandle:
         """Enqueue the round; returns at once (no host synchronisation). graph: True to replay
         a decode graph where the round allows (graph_rows), False to run it eagerly, or the
-        row class to replay it in (>= its rows; expert parallelism: the group's choice)."""
+        row class to replay it in (>= its rows; expert parallelism: the group's choice).
+        defer_sampling: enqueue the forward alone; `launch_sampling` enqueues the sampling
+        later (structured output: once the previous round's tokens are committed, the
+        matchers give the masks). The round is complete only after that."""
         handle = RoundHandle(batch, self.cuda)
-        host = self._host_inputs(batch)
+        host = self._host_inputs(batch, masks=not defer_sampling)
         if graph is True:
             host["graph"] = self.graph_rows(batch)
         else:
@@ -269,28 +278,70 @@ class ModelRunner:
             if start is not None:
                 start.record()
             with forbid_host_sync(self.forbid_sync):
-                self._run(handle, host, prev)
-            handle.event.record()
-            if start is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                handle.span = (start, end)
+                logits = self._run(handle, host, prev)
+            if defer_sampling:
+                handle.deferred = (host, logits, start)
+                return handle
+            self._finish_cuda(handle, host, logits, start)
         else:
             def work() -> None:
                 t0 = time.perf_counter()
                 try:
-                    self._run(handle, host, prev)
+                    logits = self._run(handle, host, prev)
+                    if defer_sampling:
+                        handle.deferred = (host, logits, t0)
+                        return
+                    self._sample(handle, host, logits)
                 except BaseException as e:  # surfaced by RoundHandle.wait on the host
                     handle.error = e
-                finally:
-                    if self.timing:
-                        handle.span = (t0, time.perf_counter())
-                    handle.event.set()
+                self._finish_emulated(handle, t0)
 
             self.emulated.submit(work)
         return handle
 
-    def _run(self, handle: RoundHandle, host: dict, prev: RoundHandle | None) -> None:
+    def launch_sampling(self, handle: RoundHandle) -> None:
+        """The sampling of a round launched with defer_sampling (its forward enqueued before):
+        the structured-output masks from the matchers as they are now, then the draw."""
+        batch = handle.batch
+        allowed = self._allowed([batch.rows[i].req for i in batch.sample_rows])
+        if self.cuda:
+            host, logits, start = handle.deferred
+            handle.deferred = None
+            host["sampling"] = (*host["sampling"][:3], allowed)
+            with forbid_host_sync(self.forbid_sync):
+                self._finish_cuda(handle, host, logits, start)
+            return
+
+        def work() -> None:
+            if handle.deferred is None:  # (the forward failed: handle.error says why)
+                self._finish_emulated(handle, None)
+                return
+            host, logits, t0 = handle.deferred
+            handle.deferred = None
+            try:
+                host["sampling"] = (*host["sampling"][:3], allowed)
+                self._sample(handle, host, logits)
+            except BaseException as e:
+                handle.error = e
+            self._finish_emulated(handle, t0)
+
+        self.emulated.submit(work)
+
+    def _finish_cuda(self, handle: RoundHandle, host: dict, logits, start) -> None:
+        self._sample(handle, host, logits)
+        handle.event.record()
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            handle.span = (start, end)
+
+    def _finish_emulated(self, handle: RoundHandle, t0: float | None) -> None:
+        if self.timing and t0 is not None:
+            handle.span = (t0, time.perf_counter())
+        handle.event.set()
+
+    def _run(self, handle: RoundHandle, host: dict, prev: RoundHandle | None) -> torch.Tensor:
+        """The round's forward: its logits rows (see _logits_order)."""
         i32, i64 = torch.int32, torch.int64
         input_ids = self._tensor(host["ids"], i32)
         positions = self._tensor(host["pos"], i32)
@@ -322,6 +373,12 @@ class ModelRunner:
                                   for _ in range(r.num_tokens)], i64))
             logits = self.net(fb, self.caches,
                               logits_rows=self._tensor(host["logits_rows"], i64))
+        return logits
+
+    def _sample(self, handle: RoundHandle, host: dict, logits: torch.Tensor) -> None:
+        """The round's prompt logits to the host, and its sampling rows drawn."""
+        i64 = torch.int64
+        batch = handle.batch
         n_sample = len(batch.sample_rows)
         offset = 0
         for i, r in enumerate(batch.rows):  # prompt-scoring rows come first in logits order

@@ -135,8 +135,6 @@ class Scheduler:
                 if self._will_finish(req):
                     continue
                 if req.inflight == 1:  # its input token is still on the device
-                    if req.matcher is not None:  # (structured output: its mask needs that token
-                        continue  # on the host; the row comes once it is committed)
                     n, ids = 1, [0]
                     prev_row = prev_row_of.get(id(req), -1)
                     if prev_row < 0:
