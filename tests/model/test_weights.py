@@ -103,6 +103,17 @@ def assert_same_values(want: dict, got: dict) -> None:
             assert torch.equal(got[k], t), k
 
 
+def stacked_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] as FP8 e4m3 with one power-of-two float32 scale per
+    128x128 tile (HF's quantizer layout): (q, scale_inv)."""
+    w = w.double()
+    E, N, K = w.shape
+    tiles = w.abs().reshape(E, math.ceil(N / 128), 128, math.ceil(K / 128), min(K, 128))
+    s = torch.pow(2.0, torch.ceil(torch.log2(tiles.amax(dim=(2, 4)) / 448)))
+    sf = s.repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[:, :, :K]
+    return (w / sf).float().to(torch.float8_e4m3fn), s.float()
+
+
 def params_of(path) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in load(path).net.state_dict().items()}
 
@@ -322,13 +333,8 @@ def test_hf_internal_quantized_experts_and_our_own_names(tmp_path, gen):
     assert "model.layers.1.self_attn.q_a_proj.weight_scale_inv" in files
     for L in range(CFG.num_hidden_layers):
         p = f"model.layers.{L}.mlp.experts."
-        w = files[p + "gate_up_proj"].double()  # FP8: one power-of-two scale per 128x128 tile
-        E, N, K = w.shape
-        tiles = w.abs().reshape(E, math.ceil(N / 128), 128, math.ceil(K / 128), min(K, 128))
-        s = torch.pow(2.0, torch.ceil(torch.log2(tiles.amax(dim=(2, 4)) / 448)))
-        sf = s.repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[:, :, :K]
-        files[p + "gate_up_proj"] = (w / sf).float().to(torch.float8_e4m3fn)
-        files[p + "gate_up_proj_scale_inv"] = s.float()
+        files[p + "gate_up_proj"], files[p + "gate_up_proj_scale_inv"] = stacked_fp8(
+            files[p + "gate_up_proj"])
         files[p + "down_proj"] = want[p + "down_blocks"].view(torch.int8)  # packed MXFP4
         files[p + "down_proj_scale_inv"] = want[p + "down_scales"].view(torch.float8_e8m0fnu)
     save_file(files, str(hf / "model.safetensors"))
@@ -752,13 +758,8 @@ def _layouts(tmp_path, gen):
     files = read_all(hf)
     for L in range(CFG.num_hidden_layers):
         p = f"model.layers.{L}.mlp.experts."
-        w = files[p + "gate_up_proj"].double()
-        E, N, K = w.shape
-        tiles = w.abs().reshape(E, math.ceil(N / 128), 128, math.ceil(K / 128), min(K, 128))
-        s = torch.pow(2.0, torch.ceil(torch.log2(tiles.amax(dim=(2, 4)) / 448)))
-        sf = s.repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[:, :, :K]
-        files[p + "gate_up_proj"] = (w / sf).float().to(torch.float8_e4m3fn)
-        files[p + "gate_up_proj_scale_inv"] = s.float()
+        files[p + "gate_up_proj"], files[p + "gate_up_proj_scale_inv"] = stacked_fp8(
+            files[p + "gate_up_proj"])
         files[p + "down_proj"] = want[p + "down_blocks"].clone().view(torch.float4_e2m1fn_x2)
         files[p + "down_proj_scale_inv"] = want[p + "down_scales"].view(torch.float8_e8m0fnu)
     save_file(files, str(q / "model.safetensors"))

@@ -294,6 +294,8 @@ class ModelRunner:
                     self._sample(handle, host, logits)
                 except BaseException as e:  # surfaced by RoundHandle.wait on the host
                     handle.error = e
+                    if defer_sampling:  # (launch_sampling's work completes the round)
+                        return
                 self._finish_emulated(handle, t0)
 
             self.emulated.submit(work)
