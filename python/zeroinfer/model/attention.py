@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zeroinfer import ops
-from zeroinfer.model.cache import (CompressorState, DecodeRows, ForwardBatch, LayerCache,
+from zeroinfer.model.cache import (CompressorState, ForwardBatch, LayerCache,
                                   host_tensor, pool_block_size, scratch_slot, slots_of,
                                   write_pool)
 from zeroinfer.model.config import CSA, HCA, SLIDING, ModelConfig
@@ -86,27 +86,28 @@ class WindowStarts:
 
 class ClosingWindows(WindowStarts):
     """A step's windows that close, of every sequence, as the index tensors that pool them all
-    at once (Compressor._pool_windows). A sequence's rows are its buffered tokens (the first
-    `held`) then its new tokens; window w of it covers rows w * m .. w * m + m - 1. group:
-    (sequence, first new token's row in the step's tokens, new tokens, tokens held, state slot,
-    the first window's position) per sequence that closes at least one window.
-      rows      [k, m] each window row's new token (0 where the row is buffered)
-      buffered  (window, row, slot) of the rows read from the state's buffer, or None
+    at once (Compressor._pool_windows). A sequence's rows are its ring's rows of the open window
+    (the first `held`) then its new tokens; window w of it covers rows w * m .. w * m + m - 1.
+    group: (sequence, first new token's row in the step's tokens, new tokens, tokens held,
+    state slot, the first window's position) per sequence that closes at least one window;
+    size: the ring's (CompressorState.size).
+      rows      [k, m] each window row's new token (0 where the row is the ring's)
+      buffered  (window, row, slot, ring row) of the rows read from the ring, or None
       prev      [k] CSA: the window whose Ca half comes first (this step's window before; for a
                 sequence's first window, itself, replaced by `saved` or `fresh`)
-      saved     (window, slot) of first windows after a complete one: the state's Ca half
+      saved     (window [n], slot [n, 1], ring rows [n, m]) of first windows after a complete
+                one: that window's rows, whose Ca half comes first
       fresh     first windows with no window before them (a sequence's very first): no Ca half
                 (0 with a -inf gate)
-      last / last_slots  each sequence's last window and its slot (the Ca half to keep)
     Only the rows a window needs are read: a long prefill's windows past its first read none
-    of the buffer."""
+    of the ring."""
 
-    def __init__(self, group: list[tuple], rate: int, device: torch.device) -> None:
+    def __init__(self, group: list[tuple], rate: int, size: int, device: torch.device) -> None:
         m = rate
         self.seqs: list[int] = []   # each window's sequence, entry index and position
         self.index: list[int] = []
-        starts, rows, prev, last, last_slots = [], [], [], [], []
-        buf_win, buf_row, buf_slot, saved_win, saved_slot, fresh = [], [], [], [], [], []
+        starts, rows, prev = [], [], []
+        buf_win, buf_row, buf_slot, buf_at, saved_win, saved_slot, saved_at, fresh = ([] for _ in range(8))
         for i, lo, new, held, slot, start in group:
             for w in range((held + new) // m):
                 g = len(starts)
@@ -118,77 +119,76 @@ class ClosingWindows(WindowStarts):
                     buf_win += [g] * held
                     buf_row += range(held)
                     buf_slot += [slot] * held
-                    if start >= m:  # a complete window precedes the step
+                    buf_at += [(start + j) % size for j in range(held)]
+                    if start >= m:  # a complete window precedes the step: in the ring
                         saved_win.append(g)
-                        saved_slot.append(slot)
+                        saved_slot.append([slot])
+                        saved_at.append([(start - m + j) % size for j in range(m)])
                     else:
                         fresh.append(g)
                 prev.append(g - 1 if w else g)
-            last.append(len(starts) - 1)
-            last_slots.append(slot)
 
         def tensors(*lists):
             return tuple(host_tensor(v, device) for v in lists) if lists[0] else None
 
         k = len(starts)
         self.rows = host_tensor(rows, device).view(k, m)
-        self.buffered = tensors(buf_win, buf_row, buf_slot)
+        self.buffered = tensors(buf_win, buf_row, buf_slot, buf_at)
         self.prev = host_tensor(prev, device)
-        self.saved = tensors(saved_win, saved_slot)
+        self.saved = tensors(saved_win, saved_slot, saved_at)
         self.fresh = host_tensor(fresh, device) if fresh else None
-        self.last = host_tensor(last, device)
-        self.last_slots = host_tensor(last_slots, device)
         self.starts = host_tensor(starts, device)
 
 
 class DecodeWindows(WindowStarts):
-    """A fixed-shape decode step's windows (ForwardBatch.decode), one a row, for a compressor of
-    rate m; the same for every compressor of that rate. Every row's window is pooled as if it
-    closed (Compressor.compress_decode), and only those that close are kept:
-      held    [S] the tokens of the row's window before this step (the new token's row)
-      closes  [S] bool: the new token completes the window
-      saved   [S] bool: a complete window precedes it (CSA: its Ca half is in the state)
-      index   [S] the window's entry index; starts [S] its first position."""
+    """A fixed-shape decode step's windows (ForwardBatch.decode), one a token, for a compressor
+    of rate m and ring size `size`; the same for every compressor of those. Every token's
+    window is pooled as if the token closed it (Compressor.compress_decode), and only those it
+    does close are kept:
+      new_at  [T] the token's ring row
+      rows    [T, m] the window's ring rows; prev_rows [T, m] those of the window before
+      closes  [T] bool: the token completes its window (never a padding row's)
+      saved   [T] bool: a complete window precedes it (CSA: its Ca half is in the ring)
+      index   [T] the window's entry index; starts [T] its first position."""
 
-    def __init__(self, rows: DecodeRows, m: int) -> None:
-        ctx = rows.context_lens
-        self.held = ctx % m
-        self.closes = self.held == m - 1
-        self.starts = ctx - self.held
+    def __init__(self, positions: torch.Tensor, real: torch.Tensor, m: int, size: int) -> None:
+        held = positions % m
+        self.closes = (held == m - 1) & real
+        self.starts = positions - held
         self.saved = self.starts >= m
-        self.index = torch.div(ctx, m, rounding_mode="floor")
+        self.index = torch.div(positions, m, rounding_mode="floor")
+        self.new_at = positions % size
+        j = torch.arange(m, device=positions.device)
+        self.rows = (self.starts[:, None] + j) % size
+        self.prev_rows = (self.starts[:, None] - m + j) % size
 
 
 class CompressPlan:
-    """How a step's tokens meet a compressor of rate m, the same for every compressor of that
-    rate (so made once a step, ForwardBatch.derived):
+    """How a step's tokens meet a compressor of rate m and ring size `size`, the same for every
+    compressor of those (so made once a step, ForwardBatch.derived):
       windows   the windows that close, of every sequence (a ClosingWindows), or None
-      buffered  the tokens left in open windows, to the state's buffer: (token rows, or None
-                where that is every token of the step; state slots; offsets), or None
+      written   the tokens the ring keeps (each sequence's last `size`): (token rows, or None
+                where that is every token of the step; state slots; ring rows)
       seqs / index  each new entry's sequence and entry index (the windows' order)."""
 
-    def __init__(self, batch: ForwardBatch, rate: int, device: torch.device) -> None:
+    def __init__(self, batch: ForwardBatch, rate: int, size: int, device: torch.device) -> None:
         m, cu = rate, batch.cu_seqlens
-        tokens, slots, offsets, closing = [], [], [], []
+        tokens, slots, at, closing = [], [], [], []
         for i in range(batch.num_seqs):
             lo, hi, ctx, slot = cu[i], cu[i + 1], batch.context_lens[i], batch.state_slots[i]
             held = ctx % m
-            n = (held + hi - lo) // m  # windows this step closes
-            if n:
+            if (held + hi - lo) // m:  # windows this step closes
                 closing.append((i, lo, hi - lo, held, slot, ctx - held))
-            # the tokens past the last closed window start (or go on filling) the buffer
-            keep, first = (lo + n * m - held, 0) if n else (lo, held)  # token, its buffer row
+            keep = max(lo, hi - size)  # (one token a ring row: an indexed write's targets differ)
             tokens += range(keep, hi)
             slots += [slot] * (hi - keep)
-            offsets += range(first, first + hi - keep)
-        self.windows = ClosingWindows(closing, m, device) if closing else None
+            at += [(ctx + t - lo) % size for t in range(keep, hi)]
+        self.windows = ClosingWindows(closing, m, size, device) if closing else None
         self.seqs = self.windows.seqs if closing else []
         self.index = self.windows.index if closing else []
-        self.buffered = None
-        if tokens:
-            every = len(tokens) == cu[-1]  # then tokens == 0 .. T - 1, and no gather is needed
-            self.buffered = (None if every else host_tensor(tokens, device),
-                             host_tensor(slots, device), host_tensor(offsets, device))
+        every = len(tokens) == cu[-1]  # then tokens == 0 .. T - 1, and no gather is needed
+        self.written = (None if every else host_tensor(tokens, device),
+                        host_tensor(slots, device), host_tensor(at, device))
 
 
 class Compressor(nn.Module):
@@ -215,51 +215,49 @@ class Compressor(nn.Module):
                        ) -> tuple[list[int], list[int], torch.Tensor | None]:
         """Every sequence's new tokens' projections kv_all / gate_all [T, series * width] (batch
         order; kv_proj / gate_proj of the layer input, made by the attention's one GEMM): every
-        window that closes, of every sequence, pooled at once, and the tokens of windows left
-        open written to the state's buffer by one indexed write. Returns the new entries
-        [N, width] with each one's sequence and entry index (lists of N), entries None if there
-        are none, and updates the state. The plan (which token goes where, as index tensors) is
-        the batch's and the rate's alone, so every compressor of this rate in the step shares
-        one."""
-        plan = batch.derived(("compress_plan", self.rate),
-                             lambda: CompressPlan(batch, self.rate, kv_all.device))
+        window that closes, of every sequence, pooled at once, then the tokens written to the
+        state's ring by one indexed write. Returns the new entries [N, width] with each one's
+        sequence and entry index (lists of N), entries None if there are none, and updates the
+        state. The plan (which token goes where, as index tensors) is the batch's, the rate's
+        and the ring's alone, so every compressor of these in the step shares one."""
+        plan = batch.derived(("compress_plan", self.rate, state.size),
+                             lambda: CompressPlan(batch, self.rate, state.size, kv_all.device))
         entries = None
-        if plan.windows is not None:  # (reads the buffer before the write below)
+        if plan.windows is not None:  # (reads the ring before the write below)
             entries = self._pool_windows(kv_all, gate_all, plan.windows, state, rope)
-        if plan.buffered is not None:
-            tok, sl, off = plan.buffered
-            if tok is not None:  # (None: every token of the step, in order)
-                kv_all, gate_all = kv_all[tok], gate_all[tok]
-            state.buf_kv[sl, off] = kv_all.float()
-            state.buf_gate[sl, off] = gate_all.float()
+        tok, sl, at = plan.written
+        if tok is not None:  # (None: every token of the step, in order)
+            kv_all, gate_all = kv_all[tok], gate_all[tok]
+        state.kv[sl, at] = kv_all.float()
+        state.gate[sl, at] = gate_all.float()
         return plan.seqs, plan.index, entries
 
     def compress_decode(self, kv_all: torch.Tensor, gate_all: torch.Tensor,
                         batch: ForwardBatch, state: CompressorState, rope: RopeTables,
                         ) -> tuple[torch.Tensor, DecodeWindows]:
-        """compress_batch's fixed-shape form, for a decode step (batch.decode: one new token a
-        row, the lengths on the device): every row's window is pooled as if it closed, and the
-        caller keeps the entries of those that do (DecodeWindows.closes); the new token goes to
-        the state's buffer at its row. For a window that closes that is row m - 1, which the
-        next window does not read (it starts at row 0). No shape or write count depends on the
-        lengths, so a CUDA graph can hold it; the Ca half of a window that does not close goes
-        to the scratch slot. The entries that close have compress_batch's bits (a window's
-        operations are its own). Returns (entries [S, width], the rows' DecodeWindows)."""
+        """compress_batch's fixed-shape form, for a decode step (batch.decode: the same number
+        of tokens a row, the positions on the device): the step's tokens go to the ring, then
+        every token's window is pooled from the ring as if the token closed it, and the caller
+        keeps the entries of those that do (DecodeWindows.closes). The ring holds every
+        position a window reads (CompressorState.size: a row's tokens past the first are at
+        most max_discard). No shape or write count depends on the lengths, so a CUDA graph can
+        hold it. The entries that close have compress_batch's bits (a window's operations are
+        its own, and the ring's float32 copy of a projection casts back to its own bits).
+        Returns (entries [T, width], the tokens' DecodeWindows)."""
         m, w, slot = self.rate, self.width, batch.decode.state_slots
-        wins = batch.derived(("decode_windows", m), lambda: DecodeWindows(batch.decode, m))
-        # The new token into the buffer first: a closing window's rows are then all there (the
-        # float32 copy of a projection casts back to its own bits).
-        state.buf_kv[slot, wins.held] = kv_all.float()
-        state.buf_gate[slot, wins.held] = gate_all.float()
-        ck = state.buf_kv[slot].to(kv_all.dtype)
-        cg = state.buf_gate[slot].to(gate_all.dtype) + self.position_bias
-        if self.overlap:  # the Ca half before: the state's where a complete window precedes
+        wins = batch.derived(("decode_windows", m, state.size), lambda: DecodeWindows(
+            batch.positions, batch.decode.real, m, state.size))
+        state.kv[slot, wins.new_at] = kv_all.float()
+        state.gate[slot, wins.new_at] = gate_all.float()
+        ck = state.kv[slot[:, None], wins.rows].to(kv_all.dtype)
+        cg = state.gate[slot[:, None], wins.rows].to(gate_all.dtype) + self.position_bias
+        if self.overlap:  # the Ca half before: the ring's where a complete window precedes
             saved = wins.saved[:, None, None]
-            ca_kv = torch.where(saved, state.overlap_kv[slot].to(ck.dtype), 0.0)
-            ca_gate = torch.where(saved, state.overlap_gate[slot].to(cg.dtype), float("-inf"))
-            keep = torch.where(wins.closes, slot, state.scratch_slot)
-            state.overlap_kv[keep] = ck[..., :w].float()
-            state.overlap_gate[keep] = cg[..., :w].float()
+            prev_kv = state.kv[slot[:, None], wins.prev_rows, :w].to(ck.dtype)
+            prev_gate = (state.gate[slot[:, None], wins.prev_rows, :w].to(gate_all.dtype)
+                         + self.position_bias[:, :w])
+            ca_kv = torch.where(saved, prev_kv, 0.0)
+            ca_gate = torch.where(saved, prev_gate, float("-inf"))
             ck = torch.cat([ca_kv, ck[..., w:]], dim=1)
             cg = torch.cat([ca_gate, cg[..., w:]], dim=1)
         return self._entries(ck, cg, wins.cos_sin(rope, ck.dtype)), wins
@@ -268,27 +266,26 @@ class Compressor(nn.Module):
                       state: CompressorState, rope: RopeTables) -> torch.Tensor:
         """Entries [k, width] of the closing windows (in wins' order), all at once; each
         window's operations are its own, so its bits do not depend on the others
-        (tests/model/test_compressor.py). CSA's state keeps each sequence's last Ca half."""
+        (tests/model/test_compressor.py)."""
         w = self.width
         ck, cg = kv_all[wins.rows], gate_all[wins.rows]
         if wins.buffered is not None:
-            win, row, slot = wins.buffered
-            ck[win, row] = state.buf_kv[slot, row].to(ck.dtype)
-            cg[win, row] = state.buf_gate[slot, row].to(cg.dtype)
+            win, row, slot, at = wins.buffered
+            ck[win, row] = state.kv[slot, at].to(ck.dtype)
+            cg[win, row] = state.gate[slot, at].to(cg.dtype)
         cg = cg + self.position_bias
         if self.overlap:
-            # Rows 0 .. m - 1: the Ca half of the window before (this step's, else the saved one
+            # Rows 0 .. m - 1: the Ca half of the window before (this step's, else the ring's
             # where a complete window precedes, else none: 0 with a -inf gate); then own Cb.
             ca_kv, ca_gate = ck[..., :w][wins.prev], cg[..., :w][wins.prev]
-            if wins.saved is not None:  # (read before the state is written below)
-                win, slot = wins.saved
-                ca_kv[win] = state.overlap_kv[slot].to(ck.dtype)
-                ca_gate[win] = state.overlap_gate[slot].to(cg.dtype)
+            if wins.saved is not None:
+                win, slot, at = wins.saved
+                ca_kv[win] = state.kv[slot, at, :w].to(ck.dtype)
+                ca_gate[win] = (state.gate[slot, at, :w].to(gate_all.dtype)
+                                + self.position_bias[:, :w])
             if wins.fresh is not None:  # (index_fill_: a Python scalar, no host-to-device copy)
                 ca_kv.index_fill_(0, wins.fresh, 0.0)
                 ca_gate.index_fill_(0, wins.fresh, float("-inf"))
-            state.overlap_kv[wins.last_slots] = ck[..., :w][wins.last].float()
-            state.overlap_gate[wins.last_slots] = cg[..., :w][wins.last].float()
             ck = torch.cat([ca_kv, ck[..., w:]], dim=1)
             cg = torch.cat([ca_gate, cg[..., w:]], dim=1)
         return self._entries(ck, cg, wins.cos_sin(rope, ck.dtype))

@@ -2,8 +2,9 @@
 
 Every layer keeps a sliding-window KV cache; CSA/HCA layers also keep compressed entries
 (CSA: one per `csa_rate` tokens, plus 128-dim indexer keys; HCA: one per `hca_rate` tokens)
-and a small per-sequence compressor state (the raw projections of the incomplete window and,
-for CSA, the overlap half of the last complete window).
+and a small per-sequence compressor state: a ring of the raw projections of the sequence's
+last positions (CompressorState), enough for the open window, CSA's window before it, and the
+tokens a speculative round may write past what is kept.
 
 Paging: each cache kind is a pool of fixed-size blocks. A sequence owns one block table per
 kind (`window`, `csa`, `hca`), shared by all layers of that kind — block b of a sequence is
@@ -41,6 +42,10 @@ class CacheSpec:
     csa_block_size: int = 64
     hca_block_size: int = 8
     kv_fp8: bool = False  # K=V pools (window, compressed entries) in the V4 FP8 layout
+    # The most tokens of a round that a later round may take back (rejected speculative
+    # drafts: a round of 1 + d tokens keeps at least its first). The compressor rings hold that
+    # many positions more, so taking tokens back needs no state rollback (CompressorState).
+    max_discard: int = 0
 
 
 def kv_pool(blocks: int, block_size: int, dim: int, dtype: torch.dtype, device,
@@ -97,30 +102,45 @@ class LayerCache:
                                 spec.kv_fp8)
             self.index = torch.zeros(spec.num_csa_blocks + 1, spec.csa_block_size,
                                      config.index_head_dim, **kw)
-            self.state["compressor"] = CompressorState(spec.num_state_slots, config.csa_rate, d, True, device)
+            self.state["compressor"] = CompressorState(spec.num_state_slots, config.csa_rate, d,
+                                                       True, device, spec.max_discard)
             self.state["indexer"] = CompressorState(spec.num_state_slots, config.csa_rate,
-                                                    config.index_head_dim, True, device)
+                                                    config.index_head_dim, True, device,
+                                                    spec.max_discard)
         elif kind == HCA:
             self.comp = kv_pool(spec.num_hca_blocks + 1, spec.hca_block_size, d, dtype, device,
                                 spec.kv_fp8)
-            self.state["compressor"] = CompressorState(spec.num_state_slots, config.hca_rate, d, False, device)
+            self.state["compressor"] = CompressorState(spec.num_state_slots, config.hca_rate, d,
+                                                       False, device, spec.max_discard)
 
 
 class CompressorState:
-    """Per-sequence compressor state. The number of valid buffered tokens is not stored: it is
-    context_len % rate, and the overlap is valid iff a complete window exists (context_len >=
-    rate rounded down), so a fresh sequence needs no reset. Kept in float32 (HF pools in fp32).
-    One slot past `slots` is the scratch slot (the module doc)."""
+    """Per-sequence compressor state: a ring of the raw projections (kv, gate: [size, series *
+    width] a slot, float32 as HF pools) of the sequence's last `size` positions, position p at
+    row p % size. Nothing else is stored: the open window is context_len % rate rows, and CSA's
+    Ca half of the window before it is in the ring too, so a fresh sequence needs no reset.
 
-    def __init__(self, slots: int, rate: int, width: int, overlap: bool, device) -> None:
+    size = series * rate + max_discard. A round reads positions from the open window's start
+    (CSA: the window before it) and writes its own; so that a round whose last tokens are later
+    taken back (speculative drafts) leaves the positions that stay needed intact, the ring
+    holds max_discard positions more. Then taking tokens back is only a shorter context_len:
+    the rejected positions' rows, and any entry of a window they closed, are written again
+    (at the same rows and slots) by the round that reaches them. DeepInfer sizes its rings the
+    same way (rate + backtrack - 1). One slot past `slots` is the scratch slot (the module
+    doc)."""
+
+    def __init__(self, slots: int, rate: int, width: int, overlap: bool, device,
+                 max_discard: int = 0) -> None:
+        if max_discard < 0:
+            raise ValueError(f"max_discard must be >= 0, got {max_discard}")
         series = 2 if overlap else 1
         slots += 1
         self.scratch_slot = slots - 1
+        self.rate, self.overlap = rate, overlap
+        self.size = series * rate + max_discard
         kw = dict(dtype=torch.float32, device=device)
-        self.buf_kv = torch.zeros(slots, rate, series * width, **kw)
-        self.buf_gate = torch.zeros(slots, rate, series * width, **kw)
-        self.overlap_kv = torch.zeros(slots, rate, width, **kw) if overlap else None
-        self.overlap_gate = torch.zeros(slots, rate, width, **kw) if overlap else None
+        self.kv = torch.zeros(slots, self.size, series * width, **kw)
+        self.gate = torch.zeros(slots, self.size, series * width, **kw)
 
 
 def allocate_caches(config: ModelConfig, spec: CacheSpec, dtype: torch.dtype,
@@ -131,13 +151,17 @@ def allocate_caches(config: ModelConfig, spec: CacheSpec, dtype: torch.dtype,
 
 @dataclass
 class DecodeRows:
-    """A fixed-shape decode step's per-row metadata, on the device: context_lens [S] int64 (the
-    tokens cached before this step's one) and state_slots [S] int64. A padding row is a fresh
-    sequence (length 0) whose every write lands in scratch: its window table row names the
-    window pool's scratch block, its other rows -1, its state slot the scratch slot."""
+    """A fixed-shape decode step's per-token metadata, on the device. The step has S rows of
+    `tokens` consecutive positions each (T = S * tokens, row major; the positions are
+    ForwardBatch.positions): one new token a row, or a verification row's sampled token and
+    its drafts. state_slots [T] int64: each token's row's state slot; real [T] bool: False for
+    a padding row's tokens. A padding row is a fresh sequence with every token at position 0,
+    whose every write lands in scratch: its window table row names the window pool's scratch
+    block, its other rows -1, its state slot the scratch slot."""
 
-    context_lens: torch.Tensor
     state_slots: torch.Tensor
+    real: torch.Tensor
+    tokens: int = 1
 
 
 @dataclass
@@ -149,10 +173,10 @@ class ForwardBatch:
     Block tables are int32 [B, max_blocks] (unused entries -1); state_slots [B] int64.
     The CPU copies (lists) drive the per-sequence loops of the compressors.
 
-    decode: a decode step in fixed shapes (DecodeRows: one token a row, the lengths and state
-    slots on the device). Then the host lists are not read: context_lens / state_slots may be
-    anything, cu_seqlens is 0 .. S, and every shape follows S and the tables' widths alone, so
-    one CUDA graph serves every such step (model/decode_graph.py).
+    decode: a decode step in fixed shapes (DecodeRows: the same number of tokens a row, the
+    positions and state slots on the device). Then the host lists are not read: context_lens
+    / state_slots may be anything, and every shape follows the rows, the tokens a row and the
+    tables' widths alone, so one CUDA graph serves every such step (model/decode_graph.py).
     """
 
     input_ids: torch.Tensor

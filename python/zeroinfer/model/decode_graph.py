@@ -3,14 +3,16 @@
 A GPU decode step of a small batch is bound by the host: some 660 torch calls and 360 launches
 a round for four layers (bench/probe_decode_ops.py). A CUDA graph replays them in one call, but
 only if every shape, and the number of every write, is the same from step to step.
-ForwardBatch.decode gives the forward that form (the compressors pool every row's window and
+ForwardBatch.decode gives the forward that form (the compressors pool every token's window and
 keep those that close, the indexer and HCA take what the tables hold): its shapes follow the row
-count and the block tables' widths alone. So one graph serves every step of a class (rows,
-widths): the rows padded up to ROW_BUCKETS, each table's width to a power of two.
+count, the tokens a row and the block tables' widths alone. So one graph serves every step of a
+class (rows, tokens a row, widths): the rows padded up to ROW_BUCKETS, each table's width to a
+power of two. A row is one new token, or a speculative verification row of several (the
+sampled token and its drafts; the caches' CacheSpec.max_discard must cover the drafts).
 
-Padding rows are fresh one-token sequences whose every write lands in the caches' scratch (the
-window pool's scratch block, the scratch state slot; model/cache.py). A graph is captured on
-padding rows alone, so capturing it writes nothing that a sequence reads.
+Padding rows are fresh sequences whose every write lands in the caches' scratch (the window
+pool's scratch block, the scratch state slot; model/cache.py). A graph is captured on padding
+rows alone, so capturing it writes nothing that a sequence reads.
 
 On the CPU the same fixed-shape forward runs eagerly: CI tests the form the GPU captures.
 Graphs hold the weights' and caches' addresses: make the DecodeGraphs after loading, and a new
@@ -55,27 +57,38 @@ class FixedStep:
     # step of a class may be a padding step, run by ModelRunner.run_in_order): the rounds
     # refill them outside it.
     @torch.inference_mode(False)
-    def __init__(self, rows: int, widths: dict[str, int], device: torch.device) -> None:
+    def __init__(self, rows: int, tokens: int, widths: dict[str, int],
+                 device: torch.device) -> None:
         i64 = dict(dtype=torch.int64, device=device)
-        self.rows, self.widths = rows, widths
-        self.ids = torch.zeros(rows, **i64)
-        # context lengths (= positions), state slots, 1 for a sequence's row / 0 for padding
+        self.rows, self.tokens, self.widths = rows, tokens, widths
+        self.ids = torch.zeros(rows * tokens, **i64)
+        # context lengths (the rows' first positions), state slots, 1 for a sequence's row / 0
+        # for padding
         self.meta = torch.zeros(3, rows, **i64)
         self.tables = {k: torch.full((rows, w), -1, dtype=torch.int32, device=device)
                        for k, w in widths.items()}
-        self.seq = torch.arange(rows, **i64)
+        self.seq = torch.arange(rows, **i64).repeat_interleave(tokens)  # each token's row
+        self.offset = torch.arange(tokens, **i64).repeat(rows)  # its place in the row
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
+    def real(self) -> torch.Tensor:
+        """[rows * tokens] bool: the tokens of sequences' rows (not padding)."""
+        return self.meta[2][self.seq] != 0
+
     def batch(self) -> ForwardBatch:
         """A ForwardBatch over the fixed inputs (a new one each step: its derived values are
-        the step's)."""
-        n = self.rows
+        the step's). A row's tokens sit at its context length onwards; a padding row's all at
+        position 0 (so it sees no compressed entry, closes no window and writes only
+        scratch)."""
+        n, q = self.rows, self.tokens
+        real = self.meta[2][self.seq]
+        positions = self.meta[0][self.seq] + self.offset * real
         return ForwardBatch(
-            input_ids=self.ids, positions=self.meta[0], cu_seqlens=list(range(n + 1)),
+            input_ids=self.ids, positions=positions, cu_seqlens=list(range(0, n * q + 1, q)),
             context_lens=[0] * n, window_tables=self.tables["window"],
             csa_tables=self.tables["csa"], hca_tables=self.tables["hca"], state_slots=[0] * n,
-            seq=self.seq, decode=DecodeRows(self.meta[0], self.meta[1]))
+            seq=self.seq, decode=DecodeRows(self.meta[1][self.seq], real != 0, q))
 
 
 def _table(t) -> torch.Tensor:
@@ -90,10 +103,11 @@ def _table(t) -> torch.Tensor:
 
 
 class DecodeGraphs:
-    """Runs decode steps (one new token a sequence) of `net` over `caches` in fixed shapes: from
-    CUDA graphs on a GPU (captured on first use of a class, sharing one memory pool), eagerly on
-    the CPU. `run` returns the logits [S, V] float32; on CUDA they are the graph's output,
-    overwritten by the next step of that class."""
+    """Runs decode steps (the same number of new tokens a sequence: one, or a verification
+    row's) of `net` over `caches` in fixed shapes: from CUDA graphs on a GPU (captured on first
+    use of a class, sharing one memory pool), eagerly on the CPU. `run` returns the logits
+    [S * tokens, V] float32; on CUDA they are the graph's output, overwritten by the next step
+    of that class."""
 
     def __init__(self, net, caches: list[LayerCache], device: torch.device | str) -> None:
         self.net, self.caches, self.device = net, caches, torch.device(device)
@@ -112,14 +126,17 @@ class DecodeGraphs:
 
     def run(self, input_ids, context_lens: list[int], state_slots: list[int],
             tables: dict[str, torch.Tensor | list[list[int]]], *,
-            rows: int | None = None) -> torch.Tensor:
-        """One step of S = len(context_lens) sequences: input_ids (a list, or a device tensor
-        [S] such as the previous round's samples), each sequence's context length (the tokens
-        cached before this one: its new token's position), state slot and block tables (per
-        kind, "window" / "csa" / "hca": lists of block ids, or an int32 CPU tensor [S, w] with
-        -1 past each row's blocks). rows: run in the class of that many rows (>= S; S may be
-        0), not of S's: what an expert-parallel group agreed on."""
+            rows: int | None = None, tokens: int = 1) -> torch.Tensor:
+        """One step of S = len(context_lens) sequences of `tokens` new tokens each: input_ids
+        [S * tokens] row major (a list, or a device tensor such as the previous round's
+        samples), each sequence's context length (the tokens cached before its first new one:
+        that one's position), state slot and block tables (per kind, "window" / "csa" /
+        "hca": lists of block ids, or an int32 CPU tensor [S, w] with -1 past each row's
+        blocks; they must hold every new token's position). rows: run in the class of that
+        many rows (>= S; S may be 0), not of S's: what an expert-parallel group agreed on."""
         S = len(context_lens)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"decode graphs: tokens must be an int >= 1, got {tokens!r}")
         if len(state_slots) != S or (rows is None and not S):
             raise ValueError(f"decode graphs: context_lens and state_slots must have one entry "
                              f"a sequence (>= 1), got {S} and {len(state_slots)}")
@@ -128,18 +145,18 @@ class DecodeGraphs:
                              f"{self.max_rows}], got {rows}")
         tables = {k: _table(tables[k]) for k in KINDS}
         widths = {k: width_bucket(tables[k].shape[1]) for k in KINDS}
-        key = (row_bucket(S if rows is None else rows), tuple(widths[k] for k in KINDS))
+        key = (row_bucket(S if rows is None else rows), tokens, tuple(widths[k] for k in KINDS))
         step = self.steps.get(key)
         if step is None:
-            step = self.steps[key] = FixedStep(key[0], widths, self.device)
+            step = self.steps[key] = FixedStep(key[0], tokens, widths, self.device)
             if self.cuda:
                 self._capture(step)
         self._fill(step, input_ids, context_lens, state_slots, tables)
         if not self.cuda:
             with self._exchange(step):
-                return self.net(step.batch(), self.caches)[:S]
+                return self.net(step.batch(), self.caches)[:S * tokens]
         step.graph.replay()
-        return step.logits[:S]
+        return step.logits[:S * tokens]
 
     def reset(self) -> None:
         """Drop every captured step (recaptured on next use): after the weights a graph reads
@@ -149,34 +166,38 @@ class DecodeGraphs:
 
     @contextmanager
     def _exchange(self, step: FixedStep, loopback: bool = False):
-        """Expert parallelism: the step's MoE layers exchange a fixed step.rows rows with each
-        rank, the padding rows (meta[2] == 0) routed nowhere."""
+        """Expert parallelism: the step's MoE layers exchange a fixed step.rows * step.tokens
+        token rows with each rank, the padding rows' (meta[2] == 0) routed nowhere."""
         ep = getattr(self.net, "ep", None)
         if ep is None:
             yield
             return
-        with ep.fixed_capacity(step.rows, step.meta[2] != 0, loopback=loopback):
+        with ep.fixed_capacity(step.rows * step.tokens, step.real(), loopback=loopback):
             yield
 
     def _fill(self, step: FixedStep, input_ids, context_lens, state_slots, tables) -> None:
         """The step's inputs into the class's fixed tensors; rows past S are padding."""
-        n, S = step.rows, len(context_lens)
+        n, S, q = step.rows, len(context_lens), step.tokens
         pad = n - S
         meta = [list(context_lens) + [0] * pad, list(state_slots) + [self.scratch_slot] * pad,
                 [1] * S + [0] * pad]
         step.meta.copy_(host_tensor(meta, self.device), non_blocking=True)
+        got = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
+        if got != S * q:
+            raise ValueError(f"decode graphs: {S} rows of {q} tokens take {S * q} input ids, "
+                             f"got {got}")
         if isinstance(input_ids, torch.Tensor):
-            step.ids[:S].copy_(input_ids.view(-1), non_blocking=True)
+            step.ids[:S * q].copy_(input_ids.view(-1), non_blocking=True)
             if pad:
-                step.ids[S:].zero_()
+                step.ids[S * q:].zero_()
         else:
-            step.ids.copy_(host_tensor(list(input_ids) + [0] * pad, self.device),
+            step.ids.copy_(host_tensor(list(input_ids) + [0] * (pad * q), self.device),
                            non_blocking=True)
         for k in KINDS:
             t = _table(tables[k])
             rows = torch.full((n, step.widths[k]), -1, dtype=torch.int32)
             rows[:S, :t.shape[1]] = t
-            if k == "window":  # padding rows write their one token to the scratch block
+            if k == "window":  # padding rows write their tokens (position 0) to scratch
                 rows[S:, 0] = self.scratch_window
             step.tables[k].copy_(host_tensor(rows, self.device, torch.int32), non_blocking=True)
 

@@ -19,10 +19,11 @@ class PagedRunner:
     def __init__(self, net: DeepseekV4ForCausalLM, *, max_seqs: int = 4, max_len: int = 1024,
                  window_block_size: int = 16, csa_block_size: int = 8, hca_block_size: int = 2,
                  device: torch.device | str | None = None, decode_graphs: bool = False,
-                 kv_fp8: bool = False) -> None:
-        """decode_graphs: run steps where every sequence has one new token through
-        DecodeGraphs (CUDA graphs on a GPU; the same fixed-shape forward eagerly on the CPU).
-        kv_fp8: the K=V caches in the V4 FP8 layout (CacheSpec.kv_fp8)."""
+                 kv_fp8: bool = False, max_discard: int = 0) -> None:
+        """decode_graphs: run steps where every sequence has the same number of new tokens
+        through DecodeGraphs (CUDA graphs on a GPU; the same fixed-shape forward eagerly on the
+        CPU). kv_fp8: the K=V caches in the V4 FP8 layout (CacheSpec.kv_fp8). max_discard: the
+        most tokens of a step that `discard` may take back (CacheSpec.max_discard)."""
         c = net.config
         self.net, self.max_len, self.max_seqs = net, max_len, max_seqs
         self.device = torch.device(device) if device else next(net.parameters()).device
@@ -30,7 +31,8 @@ class PagedRunner:
         self.nc = max(1, math.ceil(max_len // c.csa_rate / csa_block_size))
         self.nh = max(1, math.ceil(max_len // c.hca_rate / hca_block_size))
         self.spec = CacheSpec(self.nw * max_seqs, self.nc * max_seqs, self.nh * max_seqs, max_seqs,
-                              window_block_size, csa_block_size, hca_block_size, kv_fp8)
+                              window_block_size, csa_block_size, hca_block_size, kv_fp8,
+                              max_discard)
         self.caches = allocate_caches(c, self.spec, net.dtype, self.device)
         # Blocks are handed out in reverse order inside each slot's range so that a test of
         # the paging cannot pass by accident on identity tables.
@@ -40,12 +42,25 @@ class PagedRunner:
 
         self.window_tables, self.csa_tables, self.hca_tables = tables(self.nw), tables(self.nc), tables(self.nh)
         self.lengths = [0] * max_seqs
+        self.last_step = [0] * max_seqs  # each slot's tokens in its last step (discard's bound)
         self.host_tables = {k: getattr(self, f"{k}_tables").tolist()
                             for k in ("window", "csa", "hca")}
         self.graphs = DecodeGraphs(net, self.caches, self.device) if decode_graphs else None
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
+        self.last_step[slot] = 0
+
+    def discard(self, slot: int, n: int) -> None:
+        """Take back the last n tokens of a slot's last step (speculative drafts the model did
+        not confirm): only its length shrinks; the next step writes over them (the caches'
+        rings keep what the kept tokens need, CompressorState)."""
+        most = min(self.spec.max_discard, self.last_step[slot])
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
+            raise ValueError(f"slot {slot}: can discard 0 .. {most} tokens (its last step's, at "
+                             f"most max_discard={self.spec.max_discard}), got {n!r}")
+        self.lengths[slot] -= n
+        self.last_step[slot] -= n
 
     def step(self, feeds: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """Run one forward over several sequences at once: feeds maps slot -> new token ids.
@@ -62,10 +77,13 @@ class PagedRunner:
             pos += range(self.lengths[s], self.lengths[s] + len(toks))
             cu.append(cu[-1] + len(toks))
             ctx.append(self.lengths[s])
-        if self.graphs is not None and len(ids) == len(slots) and self.graphs.takes(len(slots)):
-            # one new token each (a copy: the graph's output is overwritten by its next step)
+        q = len(ids) // len(slots)
+        if (self.graphs is not None and q - 1 <= self.spec.max_discard
+                and all(len(feeds[s]) == q for s in slots) and self.graphs.takes(len(slots))):
+            # as many new tokens each, past the first no more than the rings hold (a copy: the
+            # graph's output is overwritten by its next step)
             tables = {k: [self.host_tables[k][s] for s in slots] for k in self.host_tables}
-            logits = self.graphs.run(ids, ctx, slots, tables).clone()
+            logits = self.graphs.run(ids, ctx, slots, tables, tokens=q).clone()
         else:
             sel = torch.tensor(slots, device=self.device)
             batch = ForwardBatch(
@@ -77,6 +95,7 @@ class PagedRunner:
             logits = self.net(batch, self.caches)
         for s in slots:
             self.lengths[s] += len(feeds[s])
+            self.last_step[s] = len(feeds[s])
         return {s: logits[cu[i]:cu[i + 1]] for i, s in enumerate(slots)}
 
 
