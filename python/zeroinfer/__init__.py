@@ -47,6 +47,10 @@ def __getattr__(name: str):
         from zeroinfer.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "SpeculativeConfig":
+        from zeroinfer.engine.speculative import SpeculativeConfig
+
+        return SpeculativeConfig
     if name == "StructuredOutput":
         from zeroinfer.structured_output import StructuredOutput
 
@@ -54,5 +58,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'zeroinfer' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__",
-           "build_info"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "SpeculativeConfig", "StructuredOutput",
+           "__version__", "build_info"]

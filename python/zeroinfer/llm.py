@@ -49,6 +49,9 @@ class LLM:
     zeroinfer.model.model_config(model), ...)): this LLM is one rank of the group - it serves
     its own prompts and holds its slots of the routed experts; every rank calls generate (with
     its own prompts, possibly none) the same number of times.
+    speculative: a zeroinfer.SpeculativeConfig to verify n-gram drafts in decode rounds (the
+    same tokens, more of them a round where the text repeats itself; its rounds are
+    synchronous).
     """
 
     def __init__(self, model: str = "dummy", *, dtype: str | torch.dtype = "auto",
@@ -57,7 +60,7 @@ class LLM:
                  kv_cache_bytes: int | None = None, seed: int = 0, async_scheduling: bool = True,
                  forbid_host_sync: bool = False, decode_graphs: bool | None = None,
                  kv_cache_dtype: str = "auto", tokenizer: object | None = "auto",
-                 ep=None) -> None:
+                 ep=None, speculative=None) -> None:
         # an expert-parallel rank runs where its ExpertParallel lives, unless told otherwise
         dev = ep.device if ep is not None and str(device) == "auto" else _resolve_device(device)
         if dtype == "auto":
@@ -74,7 +77,7 @@ class LLM:
                            max_num_batched_tokens=max_num_batched_tokens,
                            kv_cache_bytes=kv_cache_bytes, async_scheduling=async_scheduling,
                            forbid_host_sync=forbid_host_sync, decode_graphs=decode_graphs,
-                           kv_cache_dtype=kv_cache_dtype)
+                           kv_cache_dtype=kv_cache_dtype, speculative=speculative)
         self.engine = LLMEngine(self.model, cfg, seed=seed, tokenizer=tokenizer)
 
     # --- helpers ----------------------------------------------------------------------------

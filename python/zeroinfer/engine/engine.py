@@ -5,6 +5,11 @@ Zero-overhead mode (default): schedule N+1 and launch it BEFORE committing N, th
 while the device runs N+1. The device never waits for Python between rounds; the host catches
 up one round behind. Both modes produce identical tokens (the sampler's randomness is keyed by
 request seed and position, and the length correction places exactly the committed tokens).
+
+Speculative decoding (EngineConfig.speculative, engine/speculative.py) verifies n-gram drafts
+in decode rows; its rounds are synchronous for now (the host drafts from committed tokens, and a
+row's length after a round is known only at its commit). Pipelining them needs the drafter on
+the device and the length correction's variable accepted counts, as DeepInfer does.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from zeroinfer.engine.block_manager import BlockManager
 from zeroinfer.engine.request import Request
 from zeroinfer.engine.runner import ModelRunner, RoundHandle
 from zeroinfer.engine.scheduler import ScheduledBatch, Scheduler
+from zeroinfer.engine.speculative import NgramIndex, SpeculativeConfig
 from zeroinfer.model import Model
 from zeroinfer.model.cache import CacheSpec, allocate_caches
 from zeroinfer.model.config import CSA, HCA
@@ -45,6 +51,8 @@ class EngineConfig:
     # "auto": the K=V caches in the activation dtype; "fp8": in the V4 FP8 layout (584 bytes a
     # vector: 448 e4m3 NoPE values with 7 power-of-two scales, 64 bf16 RoPE values).
     kv_cache_dtype: str = "auto"
+    # Speculative decoding by n-gram lookup (None: off). Its rounds run synchronously.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for f in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "window_block_size",
@@ -59,6 +67,18 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be None or a SpeculativeConfig, got "
+                             f"{type(self.speculative).__name__}")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return 0 if self.speculative is None else self.speculative.num_draft_tokens
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether rounds run one ahead (zero-overhead): asked for, and not speculative."""
+        return self.async_scheduling and self.speculative is None
 
 
 def kv_bytes_per_token(model: Model, kv_cache_dtype: str = "auto") -> dict[str, float]:
@@ -93,7 +113,7 @@ def cache_spec(model: Model, cfg: EngineConfig) -> CacheSpec:
         num_hca_blocks=max(1, blocks[2]),
         num_state_slots=cfg.max_num_seqs, window_block_size=cfg.window_block_size,
         csa_block_size=cfg.csa_block_size, hca_block_size=cfg.hca_block_size,
-        kv_fp8=cfg.kv_cache_dtype == "fp8")
+        kv_fp8=cfg.kv_cache_dtype == "fp8", max_discard=cfg.num_draft_tokens)
 
 
 class LLMEngine:
@@ -104,11 +124,15 @@ class LLMEngine:
         self.blocks = BlockManager(model.config, self.spec)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_model_len=cfg.max_model_len)
+                                   max_model_len=cfg.max_model_len,
+                                   speculative=cfg.speculative)
         self.ep = model.net.ep  # expert parallelism: every round is a collective of its group
         if self.ep is not None and cfg.forbid_host_sync:
             raise ValueError("expert parallelism reads the MoE exchange's row counts on the host "
                              "in eager rounds: it runs with forbid_host_sync=False")
+        if self.ep is not None and cfg.speculative is not None:
+            raise ValueError("speculative decoding under expert parallelism is not supported yet "
+                             "(the group would have to agree on the verification rows' length)")
         graphs = model.device.type == "cuda" if cfg.decode_graphs is None else cfg.decode_graphs
         self.runner = ModelRunner(model.net, caches, model.device, forbid_sync=cfg.forbid_host_sync,
                                   decode_graphs=graphs)
@@ -141,7 +165,9 @@ class LLMEngine:
         if len(prompt_ids) > self.cfg.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than max_model_len="
                              f"{self.cfg.max_model_len}")
-        longest = min(len(prompt_ids) + params.max_tokens, self.cfg.max_model_len)
+        # (a speculative decode row holds blocks for its drafts' positions too)
+        longest = min(len(prompt_ids) + params.max_tokens + self.cfg.num_draft_tokens,
+                      self.cfg.max_model_len)
         if not self.blocks.can_grow({}, 0) or any(
                 k.blocks_for(longest) > k.num_blocks for k in self.blocks.kinds):
             raise ValueError(f"a request of up to {longest} tokens cannot fit in the KV cache; "
@@ -163,6 +189,9 @@ class LLMEngine:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)
         if params.structured is not None:
             req.matcher = self._grammars().matcher(params.structured)
+        elif self.cfg.speculative is not None:  # (a constrained request does not draft)
+            spec = self.cfg.speculative
+            req.ngram = NgramIndex(req.prompt_ids, spec.min_ngram, spec.max_ngram)
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -225,7 +254,7 @@ class LLMEngine:
         """Advance by one round; returns requests that finished during this call."""
         t0 = time.perf_counter()
         prev = self.inflight
-        batch = self.scheduler.schedule(prev[0] if (prev and self.cfg.async_scheduling) else None)
+        batch = self.scheduler.schedule(prev[0] if (prev and self.cfg.pipelined) else None)
         t1 = time.perf_counter()
         handle = None
         prev_handle = prev[1] if prev else None
@@ -249,7 +278,7 @@ class LLMEngine:
         if handle is not None and defer:
             self.runner.launch_sampling(handle)
         self.inflight = (batch, handle) if handle is not None else None
-        if not self.cfg.async_scheduling and self.inflight is not None:
+        if not self.cfg.pipelined and self.inflight is not None:
             finished += self._commit(*self.inflight)
             self.inflight = None
         t3 = time.perf_counter()

@@ -44,6 +44,9 @@ class Request:
     detok: object | None = None  # IncrementalDetokenizer when stop strings are used
     # structured output's grammar matcher (zeroinfer.structured_output), at the committed tokens
     matcher: object | None = None
+    # speculative decoding's drafter (engine/speculative.NgramIndex) over the committed tokens;
+    # None where the request does not speculate
+    ngram: object | None = None
     text: str = ""
 
     @property

@@ -230,33 +230,46 @@ class ModelRunner:
             cu.append(cu[-1] + r.num_tokens)
             remap.append(r.prev_row)
         tables = self.block_tables.tables(rows)
-        sample_rows = batch.sample_rows
         logits_rows = []
         for i, r in enumerate(rows):
-            if r.all_logits:
+            if r.all_logits or r.drafts:  # (a verification row draws at every position)
                 logits_rows += range(cu[i], cu[i + 1])
             elif r.sample:
                 logits_rows.append(cu[i + 1] - 1)
-        reqs = [rows[i].req for i in sample_rows]
+        # one draw a sampling row, a verification row's one a position: each at the position
+        # of the token it draws
+        reqs, spos = [], []
+        for i in batch.sample_rows:
+            r = rows[i]
+            reqs += [r.req] * r.num_samples
+            spos += range(r.start + r.num_tokens - r.num_samples + 1, r.start + r.num_tokens + 1)
         allowed = self._allowed(reqs) if masks else None  # (else launch_sampling's)
         return dict(ids=ids, pos=pos, cu=cu, remap=remap, tables=tables,
                     ctx=[r.start for r in rows], slots=[r.req.slot for r in rows],
                     logits_rows=logits_rows,
-                    sampling=([q.params for q in reqs], [q.seed for q in reqs],
-                              [rows[i].start + rows[i].num_tokens for i in sample_rows],
-                              allowed))
+                    sampling=([q.params for q in reqs], [q.seed for q in reqs], spos, allowed))
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         return host_tensor(data, self.device, dtype)
 
     def graph_rows(self, batch: ScheduledBatch) -> int | None:
-        """The rows of a round that can replay a decode graph (one token a row, each sampled,
-        a class for that many rows), else None."""
+        """The rows of a round that can replay a decode graph (every row a decode row - one
+        token, or a verification row's - each sampled, a class for that many rows), else
+        None."""
         rows = batch.rows
-        if self.graphs is None or not self.graphs.takes(len(rows)) or not all(
-                r.num_tokens == 1 and r.sample and not r.all_logits for r in rows):
+        if self.graphs is None or not self.graphs.takes(len(rows)):
+            return None
+        q = self.graph_tokens(batch)
+        if not all(r.sample and not r.all_logits and r.num_tokens == 1 + r.drafts
+                   and r.room >= q for r in rows):
             return None
         return len(rows)
+
+    @staticmethod
+    def graph_tokens(batch: ScheduledBatch) -> int:
+        """The tokens a row of the round's fixed-shape form: its longest row's (verification
+        rows with fewer drafts are padded with guesses that are never kept)."""
+        return max(r.num_tokens for r in batch.rows)
 
     # --- device side ------------------------------------------------------------------------
     def launch(self, batch: ScheduledBatch, prev: RoundHandle | None, *,
@@ -360,7 +373,16 @@ class ModelRunner:
                 cu[1:] - cu[:-1] + self._tensor(host["ctx"], i32), positions, input_ids)
             input_ids, positions = fixed.input_ids, fixed.positions
         batch = handle.batch
-        if host["graph"] is not None:
+        q = self.graph_tokens(batch) if batch.rows else 1
+        if host["graph"] is not None and q > 1:
+            # verification rows (synchronous: the ids are the host's), each padded to q tokens
+            # with guesses (0) that are never kept; the draws read the real tokens' logits
+            ids = [t for r in batch.rows for t in r.token_ids + [0] * (q - r.num_tokens)]
+            logits = self.graphs.run(ids, host["ctx"], host["slots"], host["tables"],
+                                     rows=host["graph"], tokens=q)
+            host["pick"] = [i * q + j for i, r in enumerate(batch.rows)
+                            for j in range(r.num_tokens)]
+        elif host["graph"] is not None:
             # a decode round: one token a row, each sampled (model/decode_graph.py)
             logits = self.graphs.run(input_ids, host["ctx"], host["slots"], host["tables"],
                                      rows=host["graph"])
@@ -383,14 +405,15 @@ class ModelRunner:
         batch = handle.batch
         n_sample = len(batch.sample_rows)
         offset = 0
-        for i, r in enumerate(batch.rows):  # prompt-scoring rows come first in logits order
+        for i, r in enumerate(batch.rows):  # the logits rows in row order (_logits_order)
             if r.all_logits:
                 handle.prompt_logits[i] = self._to_host(logits[offset: offset + r.num_tokens])
                 offset += r.num_tokens
             elif r.sample:
-                offset += 1
+                offset += r.num_samples
         if n_sample:
-            sample_idx = [k for k, i in enumerate(self._logits_order(batch)) if batch.rows[i].sample]
+            sample_idx = host.get("pick") or [
+                k for k, i in enumerate(self._logits_order(batch)) if batch.rows[i].sample]
             params, seeds, spos, allowed = host["sampling"]
             sb = SamplingBatch.build(params, seeds, spos, self.device, allowed)
             res = sample(logits[self._tensor(sample_idx, i64)] if len(sample_idx) != logits.shape[0]
@@ -423,7 +446,7 @@ class ModelRunner:
             if r.all_logits:
                 order += [i] * r.num_tokens
             elif r.sample:
-                order.append(i)
+                order += [i] * r.num_samples
         return order
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,10 @@ when a row is scheduled, and Request.inflight counts sampled-but-uncommitted tok
 decode row whose input token is still on the device carries `prev_row` — the sampling row of the
 previous round that will produce it — so the runner's length-correction kernel can place it.
 
-Policy: running decodes first (one token each), then unfinished prefills, then admissions in
-arrival order, all under max_num_batched_tokens / max_num_seqs; prompts are chunked to the
-remaining budget. When a row cannot get blocks the newest running request is preempted
+Policy: running decodes first (one token each, or under speculative decoding a verification
+row: the input token and its drafts, engine/speculative.py), then unfinished prefills, then
+admissions in arrival order, all under max_num_batched_tokens / max_num_seqs; prompts are
+chunked to the remaining budget. When a row cannot get blocks the newest running request is preempted
 (recompute: its cache is dropped and its known tokens are prefilled again later).
 
 Releases are deferred: blocks of a finished, aborted or preempted request return to the free
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from zeroinfer.engine.block_manager import BlockManager
 from zeroinfer.engine.request import Request, Status
+from zeroinfer.engine.speculative import SpeculativeConfig, accepted_prefix
 
 
 @dataclass
@@ -33,10 +35,18 @@ class Row:
     prev_row: int = -1  # sampling row of the previous round that produces token_ids[0]
     sample: bool = False  # the row ends at the sequence's end: sample the next token
     all_logits: bool = False  # return logits of every token (prompt scoring)
+    drafts: int = 0  # a verification row: token_ids[1:] are drafts, every position sampled
+    room: int = 1  # tokens from `start` the request's blocks hold (>= num_tokens)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens this row draws: one a position of a verification row, else one if it
+        samples."""
+        return self.num_tokens if self.drafts else int(self.sample)
 
 
 @dataclass
@@ -55,7 +65,8 @@ class ScheduledBatch:
 
 @dataclass
 class RoundResult:
-    """Host copies of what a round produced, in sampling-row order."""
+    """Host copies of what a round produced, one a draw: the sampling rows in order, each
+    Row.num_samples draws."""
 
     tokens: list[int]
     logprobs: list[float] | None = None
@@ -65,8 +76,13 @@ class RoundResult:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, speculative: SpeculativeConfig | None = None) -> None:
+        """speculative: decode rows verify n-gram drafts. The rounds must then be committed
+        before the next is scheduled (the drafts need the committed tokens, and a row's length
+        after the round is known only then)."""
         self.blocks = blocks
+        self.speculative = speculative
+        self.num_drafted = self.num_accepted = 0  # drafts verified / kept, over all rounds
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -127,10 +143,14 @@ class Scheduler:
                 continue
             pos = req.num_computed
             known = len(req.prompt_ids) + len(req.output_ids)
-            if pos < known:  # prefill (first chunk already admitted, or recompute)
+            if pos < known:  # prefill (first chunk admitted, or recompute), or a synchronous decode
                 n = min(known - pos, budget)
                 ids = [req.token_at(i) for i in range(pos, pos + n)]
                 prev_row = -1
+                if pos == known - 1 and req.ngram is not None and not req.inflight:
+                    # a decode row of a speculating request: verify the drafter's guesses too
+                    ids += req.ngram.propose(min(self._draft_room(req, pos), budget - 1))
+                    n = len(ids)
             elif pos == known + req.inflight - 1:  # a decode row
                 if self._will_finish(req):
                     continue
@@ -144,13 +164,21 @@ class Scheduler:
                     n, ids, prev_row = 1, [req.token_at(pos)], -1
             else:  # waiting for the in-flight round to commit (nothing to feed yet)
                 continue
-            if not grow_or_preempt(req, pos + n):
+            # Under speculation every decode row holds blocks for a full verification row,
+            # drafts or not: a round of verification rows runs in fixed shapes (one length for
+            # every row), the rows with fewer drafts padded with guesses that are never kept.
+            reserve = n
+            if self.speculative is not None and pos >= known - 1:
+                reserve = max(n, min(1 + self.speculative.num_draft_tokens,
+                                     self.max_model_len - pos))
+            if not grow_or_preempt(req, pos + reserve):
                 self._preempt(req)
                 continue
             if req.status is not Status.RUNNING:
                 continue
             scheduled.add(id(req))
             self._add_row(rows, req, pos, ids, prev_row)
+            rows[-1].room = capacity(req.blocks) - pos
             budget -= n
 
         # 2. admissions in arrival order
@@ -181,11 +209,20 @@ class Scheduler:
                  prev_row: int) -> None:
         end = pos + len(ids)
         total = len(req.prompt_ids) + len(req.output_ids) + req.inflight
-        sample = end == total and not req.want_prompt_logits
-        rows.append(Row(req, pos, ids, prev_row, sample, req.want_prompt_logits))
-        req.num_computed = end
+        drafts = max(0, end - total)  # (a decode row's ids past the known tokens)
+        sample = end - drafts == total and not req.want_prompt_logits
+        rows.append(Row(req, pos, ids, prev_row, sample, req.want_prompt_logits, drafts))
+        req.num_computed = end  # (a verification row's: optimistic, set right at commit)
         if sample:
             req.inflight += 1
+
+    def _draft_room(self, req: Request, pos: int) -> int:
+        """The drafts worth verifying for a decode row at `pos`: the configured number, but
+        no more than the request may still emit past its next token (max_tokens,
+        max_model_len)."""
+        out_left = req.params.max_tokens - len(req.output_ids) - 1
+        len_left = self.max_model_len - (pos + 2)
+        return max(0, min(self.speculative.num_draft_tokens, out_left, len_left))
 
     def _will_finish(self, req: Request) -> bool:
         """The tokens already sampled end the request: don't feed another."""
@@ -199,23 +236,27 @@ class Scheduler:
         """Apply a completed round. on_token(req, token) returns a finish reason or None.
         Returns the requests that finished."""
         finished = []
-        for k, i in enumerate(batch.sample_rows):
-            req = batch.rows[i].req
+        k = 0  # the row's first draw in the result
+        for i in batch.sample_rows:
+            row = batch.rows[i]
+            req = row.req
+            first, k = k, k + row.num_samples
             req.inflight -= 1
             if req.finished:
-                continue  # aborted or finished meanwhile: the token is dropped
-            tok = result.tokens[k]
-            req.output_ids.append(tok)
-            if result.logprobs is not None and req.params.logprobs is not None:
-                top = result.top[k][: req.params.logprobs] if result.top else []
-                req.output_logprobs.append((result.logprobs[k], top))
-            reason = on_token(req, tok)
-            if reason is None and (len(req.output_ids) >= req.params.max_tokens
-                                   or req.num_known >= self.max_model_len):
-                reason = "length"
-            if reason is not None:
-                self._finish(req, reason)
-                finished.append(req)
+                continue  # aborted or finished meanwhile: the tokens are dropped
+            emit = 1
+            if row.drafts:  # the drafts the draws confirm, then the first draw that differs
+                kept = accepted_prefix(row.token_ids[1:], result.tokens[first:k])
+                self.num_drafted += row.drafts
+                self.num_accepted += kept
+                emit = 1 + kept
+                req.num_computed = row.start + emit  # the rejected drafts' K/V is stale
+            for j in range(first, first + emit):
+                reason = self._append(req, result, j, on_token)
+                if reason is not None:
+                    self._finish(req, reason)
+                    finished.append(req)
+                    break
         for i, logits in result.prompt_logits.items():
             req = batch.rows[i].req
             if req.finished:
@@ -225,6 +266,22 @@ class Scheduler:
                 self._finish(req, "length")
                 finished.append(req)
         return finished
+
+    def _append(self, req: Request, result: RoundResult, j: int,
+                on_token: Callable[[Request, int], str | None]) -> str | None:
+        """Commit draw j of the result to the request; returns why it finishes, or None."""
+        tok = result.tokens[j]
+        req.output_ids.append(tok)
+        if req.ngram is not None:
+            req.ngram.extend((tok,))
+        if result.logprobs is not None and req.params.logprobs is not None:
+            top = result.top[j][: req.params.logprobs] if result.top else []
+            req.output_logprobs.append((result.logprobs[j], top))
+        reason = on_token(req, tok)
+        if reason is None and (len(req.output_ids) >= req.params.max_tokens
+                               or req.num_known >= self.max_model_len):
+            reason = "length"
+        return reason
 
     # --- releases ---------------------------------------------------------------------------
     def _finish(self, req: Request, reason: str) -> None:

@@ -1,0 +1,149 @@
+"""Speculative decoding (engine/speculative.py): a verification row's accepted drafts and bonus
+token are what decoding without drafts samples at those positions, so an engine with drafts
+must give the plain engine's tokens and logprobs - greedy and seeded sampling, any drafts,
+stops and length limits inside accepted drafts, preemption, fixed-shape rounds - in fewer
+rounds when the drafts are good. The oracle is the plain zero-overhead engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from zeroinfer.engine.engine import EngineConfig, LLMEngine, kv_bytes_per_token
+from zeroinfer.engine.speculative import NgramIndex, SpeculativeConfig
+from zeroinfer.model import load
+from zeroinfer.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load("dummy:tiny-yarn", seed=11)
+
+
+def _brute_propose(tokens, k, min_n, max_n):
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) < n:
+            continue
+        suffix = tokens[len(tokens) - n:]
+        for i in range(len(tokens) - n - 1, -1, -1):  # latest first, with a continuation
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_index_matches_brute_force(gen):
+    for _ in range(20):
+        vocab = int(torch.randint(2, 6, (1,), generator=gen))
+        min_n = int(torch.randint(1, 3, (1,), generator=gen))
+        max_n = min_n + int(torch.randint(0, 3, (1,), generator=gen))
+        seq = torch.randint(0, vocab, (60,), generator=gen).tolist()
+        idx = NgramIndex(seq[:5], min_n, max_n)
+        for t in range(5, 60):
+            k = int(torch.randint(0, 6, (1,), generator=gen))
+            assert idx.propose(k) == _brute_propose(seq[:t], k, min_n, max_n), (seq[:t], k)
+            idx.extend(seq[t:t + 1])
+
+
+class FutureDrafter:
+    """Drafts from a known continuation (the plain engine's output), each wrong with
+    probability `wrong` and the list cut short at random: the acceptance path at every rate."""
+
+    def __init__(self, future: list[int], rng: random.Random, wrong: float, vocab: int) -> None:
+        self.future, self.rng, self.wrong, self.vocab = future, rng, wrong, vocab
+        self.done = 0  # outputs committed
+
+    def extend(self, tokens) -> None:
+        self.done += len(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        out = self.future[self.done:self.done + self.rng.randint(0, k)]
+        return [self.rng.randrange(self.vocab) if self.rng.random() < self.wrong else t
+                for t in out]
+
+
+def _workload(rng: random.Random, n: int, vocab: int):
+    work = []
+    for _ in range(n):
+        motif = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 4))]
+        prompt = (motif * 12)[:rng.randint(1, 40)]  # repetitive: the n-gram drafter proposes
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.0, 0.8]), top_k=rng.choice([0, 20]),
+            max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5, logprobs=1,
+            stop_token_ids=[rng.randrange(2, vocab) for _ in range(rng.randint(0, 6))],
+            seed=rng.randrange(2**31))
+        work.append((prompt, params))
+    return work
+
+
+def _run(model, work, *, speculative=None, drafter=None, kv_tokens=2000, graphs=False,
+         futures=None, rng=None):
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, max_num_batched_tokens=64,
+                       kv_cache_bytes=int(kv_tokens * sum(kv_bytes_per_token(model).values())),
+                       decode_graphs=graphs, speculative=speculative)
+    eng = LLMEngine(model, cfg, seed=3)
+    reqs = [eng.add_request(p, sp) for p, sp in work]
+    if drafter == "future":
+        for r, f in zip(reqs, futures):
+            r.ngram = FutureDrafter(f, rng, 0.3, model.config.vocab_size)
+    eng.drain()
+    eng.finish()
+    assert eng.blocks.all_free(), "KV blocks leaked"
+    out = [(r.output_ids, r.finish_reason, [lp for lp, _ in r.output_logprobs]) for r in reqs]
+    return out, eng
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
+@pytest.mark.parametrize("drafter", ["ngram", "future"])
+def test_speculative_tokens_equal_plain_decoding(model, gen, graphs, drafter):
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    work = _workload(rng, 12, model.config.vocab_size)
+    plain, plain_eng = _run(model, work)
+    spec = SpeculativeConfig(num_draft_tokens=rng.randint(2, 5))
+    got, eng = _run(model, work, speculative=spec, drafter=drafter, graphs=graphs,
+                    futures=[o for o, _, _ in plain], rng=rng)
+    for (a, ra, la), (b, rb, lb) in zip(plain, got):
+        assert a == b and ra == rb
+        torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-4, atol=1e-4)
+    s = eng.scheduler
+    assert 0 <= s.num_accepted <= s.num_drafted
+    if drafter == "future":  # good drafts: accepted, and fewer rounds than one a token
+        assert 0 < s.num_accepted < s.num_drafted
+        assert eng.rounds < plain_eng.rounds
+    else:
+        assert s.num_drafted > 0  # the repetitive prompts gave the drafter matches
+    if graphs:
+        steps = eng.runner.graphs.steps
+        assert any(k[1] > 1 for k in steps), "no verification round ran in fixed shapes"
+
+
+def test_speculation_under_preemption(model, gen):
+    """A KV budget that forces preemptions: the verification rows' reserved blocks are
+    released and retaken, and the tokens still equal plain decoding's."""
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    # every request runs its full length, so 10 of them need more than the budget at once
+    work = [((p * 40)[:30], dataclasses.replace(sp, max_tokens=30, ignore_eos=True,
+                                                 stop_token_ids=()))
+            for p, sp in _workload(rng, 10, model.config.vocab_size)]
+    plain, _ = _run(model, work, kv_tokens=300)
+    got, eng = _run(model, work, kv_tokens=300, speculative=SpeculativeConfig(4),
+                    drafter="future", futures=[o for o, _, _ in plain], rng=rng)
+    assert [(a, r) for a, r, _ in plain] == [(a, r) for a, r, _ in got]
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.scheduler.num_accepted > 0
+
+
+def test_speculative_config_errors(model):
+    with pytest.raises(ValueError, match="num_draft_tokens must be a positive int"):
+        SpeculativeConfig(num_draft_tokens=0)
+    with pytest.raises(ValueError, match="min_ngram"):
+        SpeculativeConfig(min_ngram=3, max_ngram=2)
+    with pytest.raises(ValueError, match="speculative must be None or a SpeculativeConfig"):
+        EngineConfig(speculative=4)
+    cfg = EngineConfig(speculative=SpeculativeConfig(3))
+    assert not cfg.pipelined and cfg.num_draft_tokens == 3
+    eng = LLMEngine(model, EngineConfig(max_model_len=64, speculative=SpeculativeConfig(3)))
+    assert all(s.size == s.rate * (2 if s.overlap else 1) + 3
+               for c in eng.runner.caches for s in c.state.values())
