@@ -30,6 +30,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="expert parallelism: rebalance the experts every this many rounds "
                         "(0: never), from the load of the last --eplb-window rounds")
     p.add_argument("--eplb-window", type=int, default=100)
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="speculative decoding: verify up to this many n-gram (prompt lookup) "
+                        "drafts a decode row (0: off; its rounds run synchronously)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +59,17 @@ def _llm(a, ep=None):
                max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens,
                seed=a.seed, async_scheduling=not a.sync,
                decode_graphs=False if a.eager else None, kv_cache_dtype=a.kv_cache_dtype,
-               ep=ep)
+               ep=ep, speculative=_speculative(a))
+
+
+def _speculative(a):
+    if a.speculative_tokens < 0:
+        raise SystemExit(f"--speculative-tokens must be >= 0, got {a.speculative_tokens}")
+    if not a.speculative_tokens:
+        return None
+    from zeroinfer import SpeculativeConfig
+
+    return SpeculativeConfig(num_draft_tokens=a.speculative_tokens)
 
 
 def _output(o) -> dict:

@@ -16,6 +16,7 @@ from zeroinfer.engine.engine import EngineConfig, LLMEngine, kv_bytes_per_token
 from zeroinfer.engine.speculative import NgramIndex, SpeculativeConfig
 from zeroinfer.model import load
 from zeroinfer.sampling_params import SamplingParams
+from zeroinfer.testing.drafts import FutureDrafter
 
 
 @pytest.fixture(scope="module")
@@ -45,23 +46,6 @@ def test_ngram_index_matches_brute_force(gen):
             k = int(torch.randint(0, 6, (1,), generator=gen))
             assert idx.propose(k) == _brute_propose(seq[:t], k, min_n, max_n), (seq[:t], k)
             idx.extend(seq[t:t + 1])
-
-
-class FutureDrafter:
-    """Drafts from a known continuation (the plain engine's output), each wrong with
-    probability `wrong` and the list cut short at random: the acceptance path at every rate."""
-
-    def __init__(self, future: list[int], rng: random.Random, wrong: float, vocab: int) -> None:
-        self.future, self.rng, self.wrong, self.vocab = future, rng, wrong, vocab
-        self.done = 0  # outputs committed
-
-    def extend(self, tokens) -> None:
-        self.done += len(tokens)
-
-    def propose(self, k: int) -> list[int]:
-        out = self.future[self.done:self.done + self.rng.randint(0, k)]
-        return [self.rng.randrange(self.vocab) if self.rng.random() < self.wrong else t
-                for t in out]
 
 
 def _workload(rng: random.Random, n: int, vocab: int):
@@ -114,7 +98,7 @@ def test_speculative_tokens_equal_plain_decoding(model, gen, graphs, drafter):
         assert eng.rounds < plain_eng.rounds
     else:
         assert s.num_drafted > 0  # the repetitive prompts gave the drafter matches
-    if graphs:
+    if graphs and drafter == "future":  # (n-gram drafts may all come in mixed rounds)
         steps = eng.runner.graphs.steps
         assert any(k[1] > 1 for k in steps), "no verification round ran in fixed shapes"
 
@@ -123,12 +107,13 @@ def test_speculation_under_preemption(model, gen):
     """A KV budget that forces preemptions: the verification rows' reserved blocks are
     released and retaken, and the tokens still equal plain decoding's."""
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    # every request runs its full length, so 10 of them need more than the budget at once
-    work = [((p * 40)[:30], dataclasses.replace(sp, max_tokens=30, ignore_eos=True,
+    # every request runs its full length (30 + 40 tokens), and the budget's CSA blocks hold
+    # two such requests at a time
+    work = [((p * 40)[:30], dataclasses.replace(sp, max_tokens=40, ignore_eos=True,
                                                  stop_token_ids=()))
             for p, sp in _workload(rng, 10, model.config.vocab_size)]
-    plain, _ = _run(model, work, kv_tokens=300)
-    got, eng = _run(model, work, kv_tokens=300, speculative=SpeculativeConfig(4),
+    plain, _ = _run(model, work, kv_tokens=200)
+    got, eng = _run(model, work, kv_tokens=200, speculative=SpeculativeConfig(4),
                     drafter="future", futures=[o for o, _, _ in plain], rng=rng)
     assert [(a, r) for a, r, _ in plain] == [(a, r) for a, r, _ in got]
     assert eng.scheduler.num_preemptions > 0
@@ -147,3 +132,19 @@ def test_speculative_config_errors(model):
     eng = LLMEngine(model, EngineConfig(max_model_len=64, speculative=SpeculativeConfig(3)))
     assert all(s.size == s.rate * (2 if s.overlap else 1) + 3
                for c in eng.runner.caches for s in c.state.values())
+
+
+@pytest.mark.gpu
+def test_cuda_speculation_in_decode_graphs(gen):
+    """On CUDA (float32): verification rounds replay CUDA graphs of rows of 1 + d tokens and
+    give plain decoding's tokens."""
+    model = load("dummy:tiny-yarn", dtype=torch.float32, device="cuda", seed=11)
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    work = _workload(rng, 16, model.config.vocab_size)
+    plain, _ = _run(model, work, graphs=None)
+    got, eng = _run(model, work, speculative=SpeculativeConfig(4), drafter="future",
+                    graphs=None, futures=[o for o, _, _ in plain], rng=rng)
+    assert [(a, r) for a, r, _ in plain] == [(a, r) for a, r, _ in got]
+    assert eng.scheduler.num_accepted > 0
+    steps = eng.runner.graphs.steps
+    assert any(k[1] > 1 and s.graph is not None for k, s in steps.items())

@@ -105,11 +105,13 @@ def test_padding_rows_write_only_scratch(gen, tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("drafts", [0, 4], ids=["decode", "verify"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_decode_graphs_match_eager(gen, dtype):
-    """CUDA graphs replay the fixed-shape step; against the eager variable-shape step the
-    logits agree within the dtype's rounding (the attention's index lists are wider, so its
-    split and sums may differ in the last bits)."""
+def test_cuda_decode_graphs_match_eager(gen, dtype, drafts):
+    """CUDA graphs replay the fixed-shape step - one token a row, or verification rows of
+    1 + 4 tokens with some taken back; against the eager variable-shape step the logits agree
+    within the dtype's rounding (the attention's index lists are wider, so its split and sums
+    may differ in the last bits)."""
     model = load("dummy:tiny-yarn", dtype=dtype, device="cuda",
                  seed=int(torch.randint(0, 1000, (1,), generator=gen)))
     tol = 2e-3 if dtype == torch.float32 else 6e-2
@@ -118,8 +120,10 @@ def test_cuda_decode_graphs_match_eager(gen, dtype):
     def check(a, b):
         worst.append(float((a - b).abs().max() / a.abs().max().clamp(min=1e-6)))
 
-    _, graphs = _drive(model, gen, 2 * model.config.hca_rate + 3, check)
+    _, graphs = _drive(model, gen, 2 * model.config.hca_rate + 3, check, drafts=drafts)
     assert max(worst) < tol, max(worst)
+    if drafts:
+        assert any(k[1] == 1 + drafts for k in graphs.graphs.steps)
     assert all(s.graph is not None for s in graphs.graphs.steps.values())
     assert len(graphs.graphs.steps) >= 2  # the row bucket changed, and each class has a graph
 

@@ -1,0 +1,133 @@
+"""Speculative decoding in the engine: decode throughput with verification rounds against plain
+decoding, on the dummy model.
+
+  python bench/bench_speculative.py [--device cuda] [--batch-sizes 1,8,32] [--drafts 2,4]
+
+Rows per batch size:
+  plain      the engine without drafts (zero-overhead pipeline; decode graphs on CUDA): the
+             baseline;
+  ngram      n-gram (prompt lookup) drafts. A random-weight model's text does not repeat its
+             context, so they are seldom accepted: this row is the cost of drafting and of
+             verification rounds that gain nothing;
+  oracle@a   drafts from plain decoding's own output, each right with probability a
+             (zeroinfer.testing.drafts.FutureDrafter): the engine's speculative path at a
+             known acceptance rate, as a real drafter would drive it.
+Every row's tokens are checked against plain decoding's (speculation changes how many tokens
+a round yields, never which).
+
+The roofline of a speculative row is plain decoding's rate times its tokens per round: a
+verification round of small batches reads the same weights as a decode round, so at best it
+costs the same and yields `tokens_per_round` tokens a row. `fraction_of_ideal` = measured rate
+/ that; below 1 are the verification round's extra cost (its q tokens a row through attention,
+the MoE and the LM head, the draws at every position) and, here, the synchronous rounds'
+host time, which the zero-overhead plain baseline hides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from zeroinfer.engine.engine import EngineConfig, LLMEngine
+from zeroinfer.engine.speculative import SpeculativeConfig
+from zeroinfer.model import load
+from zeroinfer.sampling_params import SamplingParams
+from zeroinfer.testing import bench
+from zeroinfer.testing.drafts import FutureDrafter
+
+MODEL = "dummy"
+
+
+def _pass(model, prompts, params, spec, drafter, futures, rng) -> tuple[float, list, LLMEngine]:
+    """One timed pass of the workload on a fresh engine after an untimed one (graph captures):
+    returns (decode seconds, outputs, engine)."""
+    b = len(prompts)
+    cfg = EngineConfig(max_num_seqs=b, max_model_len=len(prompts[0]) + params.max_tokens + 8,
+                       max_num_batched_tokens=b * len(prompts[0]), speculative=spec)
+    eng = LLMEngine(model, cfg, seed=0)
+    for timed in (False, True):
+        reqs = [eng.add_request(p, params) for p in prompts]
+        if drafter.startswith("oracle"):
+            right = float(drafter.split("@")[1])
+            for r, f in zip(reqs, futures):
+                r.ngram = FutureDrafter(f, rng, 1 - right, model.config.vocab_size, full=True)
+        eng.step()  # the prefill round
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        if timed:
+            eng.scheduler.num_drafted = eng.scheduler.num_accepted = 0
+            rounds0 = eng.rounds
+        t0 = time.perf_counter()
+        eng.finish()
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    eng.timed_rounds = eng.rounds - rounds0
+    return wall, [r.output_ids for r in reqs], eng
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--batch-sizes", default=None, help="default: 1,8,32 (cuda), 1,8 (cpu)")
+    ap.add_argument("--drafts", default="2,4", help="draft counts d to run")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--out-dir", default=None, type=Path)
+    a = ap.parse_args()
+    cuda = a.device == "cuda"
+    batches = [int(s) for s in (a.batch_sizes or ("1,8,32" if cuda else "1,8")).split(",")]
+    drafts = [int(s) for s in a.drafts.split(",")]
+    model = load(MODEL, dtype=torch.bfloat16 if cuda else torch.float32,
+                 device="cuda" if cuda else "cpu")
+    V = model.config.vocab_size
+    params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0)
+    rows, failures = [], []
+    for b in batches:
+        g = torch.Generator().manual_seed(b)
+        prompts = [torch.randint(2, V, (a.input_len,), generator=g).tolist() for _ in range(b)]
+        rng = random.Random(b)
+        wall, plain, eng = _pass(model, prompts, params, None, "plain", None, rng)
+        base_rate = b * (a.output_len - 1) / wall
+        base_rounds = eng.timed_rounds
+        eng.close()
+        rows.append({"batch": b, "drafter": "plain", "drafts": 0,
+                     "decode_tokens_per_s": base_rate, "rounds": base_rounds,
+                     "tokens_per_round": b * (a.output_len - 1) / base_rounds / b,
+                     "acceptance": None, "speedup": 1.0, "fraction_of_ideal": 1.0})
+        print(rows[-1], flush=True)
+        for d in drafts:
+            for drafter in ("ngram", "oracle@1.0", "oracle@0.7"):
+                wall, out, eng = _pass(model, prompts, params, SpeculativeConfig(d), drafter,
+                                       plain, rng)
+                if out != plain:
+                    failures.append(f"batch {b} d {d} {drafter}: tokens differ from plain")
+                s = eng.scheduler
+                rate = b * (a.output_len - 1) / wall
+                per_round = (a.output_len - 1) / eng.timed_rounds
+                rows.append({"batch": b, "drafter": drafter, "drafts": d,
+                             "decode_tokens_per_s": rate, "rounds": eng.timed_rounds,
+                             "tokens_per_round": per_round,
+                             "acceptance": s.num_accepted / max(1, s.num_drafted),
+                             "speedup": rate / base_rate,
+                             "fraction_of_ideal": rate / (base_rate * per_round)})
+                eng.close()
+                print(rows[-1], flush=True)
+    bench.print_table(rows, ["batch", "drafter", "drafts", "decode_tokens_per_s", "rounds",
+                             "tokens_per_round", "acceptance", "speedup", "fraction_of_ideal"])
+    path = bench.write_results("speculative", rows, device=a.device,
+                               extra={"model": MODEL, "input_len": a.input_len,
+                                      "output_len": a.output_len, "failures": failures},
+                               out_dir=a.out_dir)
+    print(f"wrote {path}")
+    if failures:
+        raise SystemExit("\n".join(failures))
+
+
+if __name__ == "__main__":
+    main()
