@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from zeroinfer import LLM, SamplingParams, StructuredOutput
+from zeroinfer import LLM, SamplingParams, SpeculativeConfig, StructuredOutput
 from zeroinfer.sampling.sampler import SamplingBatch, sample
 from zeroinfer.structured_output import allowed_tokens
 
@@ -69,13 +69,16 @@ def test_sampler_draws_only_allowed_tokens(gen):
 @pytest.fixture(scope="module")
 def llms():
     pytest.importorskip("xgrammar")
-    return {a: LLM("dummy", max_num_seqs=6, max_model_len=200, async_scheduling=a)
-            for a in (True, False)}
+    # zero-overhead, synchronous, and speculative (synchronous rounds; the unconstrained
+    # requests draft, the constrained ones do not)
+    return {mode: LLM("dummy", max_num_seqs=6, max_model_len=200, async_scheduling=mode == "zos",
+                      speculative=SpeculativeConfig(3) if mode == "spec" else None)
+            for mode in ("zos", "sync", "spec")}
 
 
 @pytest.fixture
 def llm(llms):
-    return llms[True]
+    return llms["zos"]
 
 
 SCHEMA = {"type": "object",
@@ -104,9 +107,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["zos", "sync"])
-def test_outputs_are_in_the_language(llms, gen, async_scheduling):
-    llm = llms[async_scheduling]
+@pytest.mark.parametrize("mode", ["zos", "sync", "spec"])
+def test_outputs_are_in_the_language(llms, gen, mode):
+    llm = llms[mode]
     prompts, params, checks = [], [], []
     for spec, ok in CASES:
         for temp in (0.0, 0.9):
