@@ -20,40 +20,57 @@ def _prompts(seed, rank, counts, vocab):
                           generator=gen).tolist() for _ in range(counts[rank])]
 
 
-def _engine_worker(rank, world, seed, counts, async_scheduling, graphs):
-    from zeroinfer import LLM, SamplingParams
+def _engine_worker(rank, world, seed, counts, async_scheduling, graphs, spec=False):
+    import random
+
+    from zeroinfer import LLM, SamplingParams, SpeculativeConfig
     from zeroinfer.model import model_config
     from zeroinfer.parallel import ExpertParallel
+    from zeroinfer.testing.drafts import FutureDrafter
 
     cfg = model_config(MODEL)
     ep = ExpertParallel.for_model(cfg, redundant_experts=3, load_window=3, rebalance_interval=6)
     kw = dict(tokenizer=None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=24,
               async_scheduling=async_scheduling)
-    # graphs: decode rounds in the fixed shapes the GPU captures (the group's row class, the
-    # fixed-capacity exchange; a rank without sequences runs a step of padding).
-    llm = LLM(MODEL, ep=ep, decode_graphs=graphs, **kw)  # on the CPU, where the EP is
-    kw["device"] = "cpu"  # the reference too, on a GPU machine
-    before = ep.placement.phys_to_logical.clone()
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = _prompts(seed, rank, counts, cfg.vocab_size)
+    ref = LLM(MODEL, device="cpu", **kw)  # (on the CPU, as the EP is, on a GPU machine too)
+    want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)] if prompts else []
+    want2 = ([o.token_ids for o in ref.generate(prompts[:1], params, use_tqdm=False)]
+             if prompts else [])
+    # graphs: decode rounds in the fixed shapes the GPU captures (the group's class, the
+    # fixed-capacity exchange; a rank without sequences runs a step of padding). spec:
+    # verification rows of drafts from the reference's output, 30% of them wrong; each rank's
+    # rows padded to the group's longest.
+    llm = LLM(MODEL, ep=ep, decode_graphs=graphs,
+              speculative=SpeculativeConfig(3) if spec else None, **kw)
+    if spec:
+        futures = {tuple(p): w for p, w in zip(prompts, want)}
+        rng, add = random.Random(seed + rank), llm.engine.add_request
+
+        def add_with_drafter(ids, p, **k):
+            req = add(ids, p, **k)
+            req.ngram = FutureDrafter(futures[tuple(ids)], rng, 0.3, cfg.vocab_size)
+            return req
+
+        llm.engine.add_request = add_with_drafter
+    before = ep.placement.phys_to_logical.clone()
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     # A second call, where this rank has other prompts again: the group steps together.
     got2 = [o.token_ids for o in llm.generate(prompts[:1], params, use_tqdm=False)]
     assert llm.engine.blocks.all_free(), "KV blocks leaked"
-    ref = LLM(MODEL, **kw)
-    want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)] if prompts else []
-    want2 = ([o.token_ids for o in ref.generate(prompts[:1], params, use_tqdm=False)]
-             if prompts else [])
     moved = not torch.equal(before, ep.placement.phys_to_logical.cpu())
-    fixed = llm.engine.runner.graphs is not None and bool(llm.engine.runner.graphs.steps)
+    fixed = llm.engine.runner.graph_rounds  # (rows' length -> rounds)
+    fixed = bool(fixed) and (not spec or any(q > 1 for q in fixed))
     return got == want and got2 == want2, moved, ep.load.steps, len(prompts), fixed == graphs
 
 
-@pytest.mark.parametrize("async_scheduling, graphs", [(True, False), (False, False), (True, True)],
-                         ids=["zos", "sync", "zos-graphs"])
-def test_ep_engine_greedy_equals_single_device(seed, async_scheduling, graphs):
+@pytest.mark.parametrize("async_scheduling, graphs, spec",
+                         [(True, False, False), (False, False, False), (True, True, False),
+                          (True, True, True)], ids=["zos", "sync", "zos-graphs", "spec-graphs"])
+def test_ep_engine_greedy_equals_single_device(seed, async_scheduling, graphs, spec):
     # Rank 1 has no prompts in the first call and serves the others' tokens only.
-    res = run_ranks(_engine_worker, 3, seed, [3, 0, 6], async_scheduling, graphs)
+    res = run_ranks(_engine_worker, 3, seed, [3, 0, 6], async_scheduling, graphs, spec)
     for ok, moved, steps, n, fixed in res:
         assert ok and fixed  # (fixed: decode graph steps ran exactly when asked for)
     steps = {r[2] for r in res}

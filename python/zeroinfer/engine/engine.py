@@ -130,9 +130,6 @@ class LLMEngine:
         if self.ep is not None and cfg.forbid_host_sync:
             raise ValueError("expert parallelism reads the MoE exchange's row counts on the host "
                              "in eager rounds: it runs with forbid_host_sync=False")
-        if self.ep is not None and cfg.speculative is not None:
-            raise ValueError("speculative decoding under expert parallelism is not supported yet "
-                             "(the group would have to agree on the verification rows' length)")
         graphs = model.device.type == "cuda" if cfg.decode_graphs is None else cfg.decode_graphs
         self.runner = ModelRunner(model.net, caches, model.device, forbid_sync=cfg.forbid_host_sync,
                                   decode_graphs=graphs)
@@ -290,23 +287,27 @@ class LLMEngine:
     def _expert_parallel_round(self, batch: ScheduledBatch, prev: RoundHandle | None,
                                defer: bool) -> RoundHandle | None:
         """Launch the round in step with the group: a vote first (does any rank run a round,
-        can every running rank replay a decode graph, and the most rows), then either every
-        rank replays the graph class of the most rows - a rank with no sequences one of padding
-        alone - or every rank runs eagerly, a rank with no sequences an idle forward (its MoE
-        layers serve the others' tokens). Then the round is counted for the expert-load window
-        and the experts are rebalanced when due (all ranks at the same round)."""
+        can every running rank replay a decode graph, the most rows and the longest row), then
+        either every rank replays the graph class of the most rows and the longest row - a rank
+        with no sequences one of padding alone, shorter verification rows padded - or every
+        rank runs eagerly, a rank with no sequences an idle forward (its MoE layers serve the
+        others' tokens). Then the round is counted for the expert-load window and the experts
+        are rebalanced when due (all ranks at the same round)."""
         launched = bool(batch.rows)
-        rows = self.runner.graph_rows(batch) if launched else 0
-        any_launched, any_eager, most = self.ep.group_max(
-            [int(launched), int(launched and rows is None), rows or 0])
+        # (a rank's rows must have room for the group's longest: a full verification row)
+        rows = self.runner.graph_rows(batch, 1 + self.cfg.num_draft_tokens) if launched else 0
+        longest = self.runner.graph_tokens(batch) if launched else 1
+        any_launched, any_eager, most, longest = self.ep.group_max(
+            [int(launched), int(launched and rows is None), rows or 0, longest])
         if not any_launched:
             return None
         graph = row_bucket(most) if self.runner.graphs is not None and not any_eager else None
         handle = None
         if launched:
-            handle = self.runner.launch(batch, prev, graph=graph or False, defer_sampling=defer)
+            handle = self.runner.launch(batch, prev, graph=graph or False, tokens=longest,
+                                        defer_sampling=defer)
         else:
-            self.runner.run_idle(graph)
+            self.runner.run_idle(graph, longest)
         if self.ep.end_step():
             self.runner.run_in_order(self._rebalance_experts)
         return handle

@@ -173,21 +173,25 @@ class ModelRunner:
         self.timing = False  # record each round's device start/end (bench: idle gaps)
         self.block_tables = HostBlockTables()
         self.grammars = None  # structured output's GrammarBackend, once a request needs it
+        # rounds replayed in fixed shapes (an expert-parallel rank's idle ones too), by row length
+        self.graph_rounds: dict[int, int] = {}
 
     def close(self) -> None:
         if self.emulated is not None:
             self.emulated.close()
             self.emulated = None
 
-    def run_idle(self, graph_rows: int | None) -> None:
+    def run_idle(self, graph_rows: int | None, tokens: int = 1) -> None:
         """Expert parallelism, a round this rank has no sequences for: serve the others' tokens
-        in every MoE layer - a decode graph of padding alone in the group's row class, or an
-        eager idle forward."""
+        in every MoE layer - a decode graph of padding alone in the group's class (rows, tokens
+        a row), or an eager idle forward."""
         if graph_rows is None:
             self.run_in_order(self.net.idle_forward)
         else:
             empty = {k: [] for k in KINDS}
-            self.run_in_order(lambda: self.graphs.run([], [], [], empty, rows=graph_rows))
+            self.graph_rounds[tokens] = self.graph_rounds.get(tokens, 0) + 1
+            self.run_in_order(lambda: self.graphs.run([], [], [], empty, rows=graph_rows,
+                                                      tokens=tokens))
 
     def run_in_order(self, fn: Callable[[], object]) -> None:
         """Run device work that is not a round (an expert-parallel rank's idle forward, an
@@ -252,14 +256,14 @@ class ModelRunner:
     def _tensor(self, data, dtype) -> torch.Tensor:
         return host_tensor(data, self.device, dtype)
 
-    def graph_rows(self, batch: ScheduledBatch) -> int | None:
+    def graph_rows(self, batch: ScheduledBatch, tokens: int | None = None) -> int | None:
         """The rows of a round that can replay a decode graph (every row a decode row - one
-        token, or a verification row's - each sampled, a class for that many rows), else
-        None."""
+        token, or a verification row's - each sampled, with room for `tokens` a row, by
+        default its longest row's; a class for that many rows), else None."""
         rows = batch.rows
         if self.graphs is None or not self.graphs.takes(len(rows)):
             return None
-        q = self.graph_tokens(batch)
+        q = tokens or self.graph_tokens(batch)
         if not all(r.sample and not r.all_logits and r.num_tokens == 1 + r.drafts
                    and r.room >= q for r in rows):
             return None
@@ -273,10 +277,12 @@ class ModelRunner:
 
     # --- device side ------------------------------------------------------------------------
     def launch(self, batch: ScheduledBatch, prev: RoundHandle | None, *,
-               graph: bool | int = True, defer_sampling: bool = False) -> RoundHandle:
+               graph: bool | int = True, tokens: int | None = None,
+               defer_sampling: bool = False) -> RoundHandle:
         """Enqueue the round; returns at once (no host synchronisation). graph: True to replay
         a decode graph where the round allows (graph_rows), False to run it eagerly, or the
-        row class to replay it in (>= its rows; expert parallelism: the group's choice).
+        row class to replay it in (>= its rows; expert parallelism: the group's choice), its
+        rows `tokens` long (default: the longest row's; the rows must have room for it).
         defer_sampling: enqueue the forward alone; `launch_sampling` enqueues the sampling
         later (structured output: once the previous round's tokens are committed, the
         matchers give the masks). The round is complete only after that."""
@@ -286,6 +292,7 @@ class ModelRunner:
             host["graph"] = self.graph_rows(batch)
         else:
             host["graph"] = graph or None
+        host["tokens"] = tokens or (self.graph_tokens(batch) if batch.rows else 1)
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True) if self.timing else None
             if start is not None:
@@ -373,7 +380,9 @@ class ModelRunner:
                 cu[1:] - cu[:-1] + self._tensor(host["ctx"], i32), positions, input_ids)
             input_ids, positions = fixed.input_ids, fixed.positions
         batch = handle.batch
-        q = self.graph_tokens(batch) if batch.rows else 1
+        q = host["tokens"]
+        if host["graph"] is not None:
+            self.graph_rounds[q] = self.graph_rounds.get(q, 0) + 1
         if host["graph"] is not None and q > 1:
             # verification rows (synchronous: the ids are the host's), each padded to q tokens
             # with guesses (0) that are never kept; the draws read the real tokens' logits
