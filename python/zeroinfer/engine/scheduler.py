@@ -9,8 +9,8 @@ previous round that will produce it — so the runner's length-correction kernel
 Policy: running decodes first (one token each, or under speculative decoding a verification
 row: the input token and its drafts, engine/speculative.py), then unfinished prefills, then
 admissions in arrival order, all under max_num_batched_tokens / max_num_seqs; prompts are
-chunked to the remaining budget. When a row cannot get blocks the newest running request is preempted
-(recompute: its cache is dropped and its known tokens are prefilled again later).
+chunked to the remaining budget. When a row cannot get blocks the newest running request is
+preempted (recompute: its cache is dropped and its known tokens are prefilled again later).
 
 Releases are deferred: blocks of a finished, aborted or preempted request return to the free
 lists only once the last round that may touch them is known to be complete on the device.

@@ -107,7 +107,8 @@ class ClosingWindows(WindowStarts):
         self.seqs: list[int] = []   # each window's sequence, entry index and position
         self.index: list[int] = []
         starts, rows, prev = [], [], []
-        buf_win, buf_row, buf_slot, buf_at, saved_win, saved_slot, saved_at, fresh = ([] for _ in range(8))
+        buf_win, buf_row, buf_slot, buf_at = [], [], [], []
+        saved_win, saved_slot, saved_at, fresh = [], [], [], []
         for i, lo, new, held, slot, start in group:
             for w in range((held + new) // m):
                 g = len(starts)
