@@ -99,7 +99,8 @@ def main() -> None:
         rows.append({"batch": b, "drafter": "plain", "drafts": 0,
                      "decode_tokens_per_s": base_rate, "rounds": base_rounds,
                      "tokens_per_round": b * (a.output_len - 1) / base_rounds / b,
-                     "acceptance": None, "speedup": 1.0, "fraction_of_ideal": 1.0})
+                     "drafted": 0, "acceptance": None, "speedup": 1.0,
+                     "fraction_of_ideal": 1.0})
         print(rows[-1], flush=True)
         for d in drafts:
             for drafter in ("ngram", "oracle@1.0", "oracle@0.7"):
@@ -113,13 +114,15 @@ def main() -> None:
                 rows.append({"batch": b, "drafter": drafter, "drafts": d,
                              "decode_tokens_per_s": rate, "rounds": eng.timed_rounds,
                              "tokens_per_round": per_round,
+                             "drafted": s.num_drafted,
                              "acceptance": s.num_accepted / max(1, s.num_drafted),
                              "speedup": rate / base_rate,
                              "fraction_of_ideal": rate / (base_rate * per_round)})
                 eng.close()
                 print(rows[-1], flush=True)
     bench.print_table(rows, ["batch", "drafter", "drafts", "decode_tokens_per_s", "rounds",
-                             "tokens_per_round", "acceptance", "speedup", "fraction_of_ideal"])
+                             "tokens_per_round", "drafted", "acceptance", "speedup",
+                             "fraction_of_ideal"])
     path = bench.write_results("speculative", rows, device=a.device,
                                extra={"model": MODEL, "input_len": a.input_len,
                                       "output_len": a.output_len, "failures": failures},
