@@ -144,6 +144,41 @@ def test_outputs_are_in_the_language(llms, gen, mode):
     assert llm.engine.blocks.all_free()
 
 
+def test_constrained_drafts_keep_plain_tokens(llms, gen):
+    """Speculative drafts of constrained requests: each position's mask follows the drafts
+    before it (the matcher accepts them, then rolls back), so the tokens are plain decoding's,
+    and good drafts are kept (drafts from plain decoding's output, a third of them wrong)."""
+    import random
+
+    from zeroinfer.testing.drafts import FutureDrafter
+
+    prompts, params = [], []
+    for spec, _ in CASES:
+        prompts.append(torch.randint(2, 120000, (6,), generator=gen).tolist())
+        params.append(SamplingParams(max_tokens=80, temperature=0.9, structured=spec,
+                                     seed=int(torch.randint(0, 2**31, (1,), generator=gen))))
+    plain = [o.token_ids for o in llms["sync"].generate(prompts, params, use_tqdm=False)]
+    llm = llms["spec"]
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    futures, add = {tuple(p): w for p, w in zip(prompts, plain)}, llm.engine.add_request
+
+    def add_with_drafter(ids, p, **k):
+        req = add(ids, p, **k)
+        req.ngram = FutureDrafter(futures[tuple(ids)], rng, 0.3, llm.model.config.vocab_size)
+        return req
+
+    llm.engine.add_request = add_with_drafter
+    s = llm.engine.scheduler
+    kept = s.num_accepted
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        del llm.engine.add_request
+    assert got == plain
+    assert s.num_accepted > kept
+    assert llm.engine.blocks.all_free()
+
+
 def test_json_object_starts_an_object(llm, gen):
     p = SamplingParams(max_tokens=30, temperature=0.0,
                        structured=StructuredOutput(json_object=True, any_whitespace=False))

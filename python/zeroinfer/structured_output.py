@@ -157,15 +157,32 @@ class GrammarBackend:
             raise ValueError(f"structured output: the {spec.kind} does not compile: {e}") from e
         return xgr.GrammarMatcher(g)
 
-    def token_bitmask(self, matchers: Sequence) -> torch.Tensor:
-        """int32 [len(matchers), words] on the CPU: bit j of word i allows token 32 i + j; a
-        row without a matcher (None) allows every token."""
+    def token_bitmask(self, matchers: Sequence, drafts: Sequence | None = None) -> torch.Tensor:
+        """int32 [rows, words] on the CPU: bit j of word i allows token 32 i + j. One row a
+        matcher (None: every token allowed); with drafts (a token list a matcher: a
+        speculative verification row's), 1 + len(drafts[i]) rows for matcher i: its mask now,
+        then after each of its drafts in turn, the matcher rolled back afterwards. Past a draft
+        the language does not allow (or one that completes it) every token is allowed: a draw
+        there is never kept, since the draft before it cannot be drawn."""
         xgr = _xgrammar()
-        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        counts = [1] * len(matchers) if drafts is None else [1 + len(d) for d in drafts]
+        mask = xgr.allocate_token_bitmask(sum(counts), self.vocab_size)
         mask.fill_(-1)
+        row = 0
         for i, m in enumerate(matchers):
             if m is not None:
-                m.fill_next_token_bitmask(mask, i)
+                m.fill_next_token_bitmask(mask, row)
+                taken = 0
+                for t in (drafts[i] if drafts is not None else ()):
+                    if not m.accept_token(t):
+                        break
+                    taken += 1
+                    if m.is_terminated():
+                        break
+                    m.fill_next_token_bitmask(mask, row + taken)
+                if taken:
+                    m.rollback(taken)
+            row += counts[i]
         return mask
 
 

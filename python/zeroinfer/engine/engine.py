@@ -186,7 +186,7 @@ class LLMEngine:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)
         if params.structured is not None:
             req.matcher = self._grammars().matcher(params.structured)
-        elif self.cfg.speculative is not None:  # (a constrained request does not draft)
+        if self.cfg.speculative is not None:
             spec = self.cfg.speculative
             req.ngram = NgramIndex(req.prompt_ids, spec.min_ngram, spec.max_ngram)
         self.requests[rid] = req

@@ -216,14 +216,17 @@ class ModelRunner:
         handle.wait()
 
     # --- host side: build inputs ------------------------------------------------------------
-    def _allowed(self, reqs) -> torch.Tensor | None:
-        """Structured output: the sampling rows' token bitmask from their matchers (on the host:
-        the matchers follow the commits, which run on this thread), or None."""
-        matchers = [None if q.matcher is None or q.matcher.is_terminated() else q.matcher
-                    for q in reqs]
+    def _allowed(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Structured output: the round's draws' token bitmask from their requests' matchers
+        (on the host: the matchers follow the commits, which run on this thread; a
+        verification row's masks follow its drafts), or None."""
+        rows = [batch.rows[i] for i in batch.sample_rows]
+        matchers = [None if r.req.matcher is None or r.req.matcher.is_terminated()
+                    else r.req.matcher for r in rows]
         if all(m is None for m in matchers):
             return None
-        return self.grammars.token_bitmask(matchers)
+        return self.grammars.token_bitmask(
+            matchers, [r.token_ids[1:] if r.drafts else [] for r in rows])
 
     def _host_inputs(self, batch: ScheduledBatch, masks: bool = True) -> dict:
         rows = batch.rows
@@ -247,7 +250,7 @@ class ModelRunner:
             r = rows[i]
             reqs += [r.req] * r.num_samples
             spos += range(r.start + r.num_tokens - r.num_samples + 1, r.start + r.num_tokens + 1)
-        allowed = self._allowed(reqs) if masks else None  # (else launch_sampling's)
+        allowed = self._allowed(batch) if masks else None  # (else launch_sampling's)
         return dict(ids=ids, pos=pos, cu=cu, remap=remap, tables=tables,
                     ctx=[r.start for r in rows], slots=[r.req.slot for r in rows],
                     logits_rows=logits_rows,
@@ -325,7 +328,7 @@ class ModelRunner:
         """The sampling of a round launched with defer_sampling (its forward enqueued before):
         the structured-output masks from the matchers as they are now, then the draw."""
         batch = handle.batch
-        allowed = self._allowed([batch.rows[i].req for i in batch.sample_rows])
+        allowed = self._allowed(batch)
         if self.cuda:
             host, logits, start = handle.deferred
             handle.deferred = None
