@@ -20,7 +20,9 @@ verification round of small batches reads the same weights as a decode round, so
 costs the same and yields `tokens_per_round` tokens a row. `fraction_of_ideal` = measured rate
 / that; below 1 are the verification round's extra cost (its q tokens a row through attention,
 the MoE and the LM head, the draws at every position) and, here, the synchronous rounds'
-host time, which the zero-overhead plain baseline hides.
+host time, which the zero-overhead plain baseline hides (`schedule_us_per_round`: the
+scheduler and drafter; `launch_us_per_round`: building and enqueueing the round, which also
+blocks while the device's queue is full).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def _pass(model, prompts, params, spec, drafter, futures, rng) -> tuple[float, l
             torch.cuda.synchronize()
         if timed:
             eng.scheduler.num_drafted = eng.scheduler.num_accepted = 0
+            eng.host_time = dict.fromkeys(eng.host_time, 0.0)
             rounds0 = eng.rounds
         t0 = time.perf_counter()
         eng.finish()
@@ -68,6 +71,12 @@ def _pass(model, prompts, params, spec, drafter, futures, rng) -> tuple[float, l
         wall = time.perf_counter() - t0
     eng.timed_rounds = eng.rounds - rounds0
     return wall, [r.output_ids for r in reqs], eng
+
+
+def _host_us(eng: LLMEngine) -> dict:
+    n = max(1, eng.timed_rounds)
+    return {"schedule_us_per_round": eng.host_time["schedule"] / n * 1e6,
+            "launch_us_per_round": eng.host_time["launch"] / n * 1e6}
 
 
 def main() -> None:
@@ -95,12 +104,13 @@ def main() -> None:
         wall, plain, eng = _pass(model, prompts, params, None, "plain", None, rng)
         base_rate = b * (a.output_len - 1) / wall
         base_rounds = eng.timed_rounds
+        base_host = _host_us(eng)
         eng.close()
         rows.append({"batch": b, "drafter": "plain", "drafts": 0,
                      "decode_tokens_per_s": base_rate, "rounds": base_rounds,
                      "tokens_per_round": b * (a.output_len - 1) / base_rounds / b,
                      "drafted": 0, "acceptance": None, "speedup": 1.0,
-                     "fraction_of_ideal": 1.0})
+                     "fraction_of_ideal": 1.0, **base_host})
         print(rows[-1], flush=True)
         for d in drafts:
             for drafter in ("ngram", "oracle@1.0", "oracle@0.7"):
@@ -117,12 +127,14 @@ def main() -> None:
                              "drafted": s.num_drafted,
                              "acceptance": s.num_accepted / max(1, s.num_drafted),
                              "speedup": rate / base_rate,
-                             "fraction_of_ideal": rate / (base_rate * per_round)})
+                             "fraction_of_ideal": rate / (base_rate * per_round),
+                             **_host_us(eng)})
                 eng.close()
                 print(rows[-1], flush=True)
     bench.print_table(rows, ["batch", "drafter", "drafts", "decode_tokens_per_s", "rounds",
                              "tokens_per_round", "drafted", "acceptance", "speedup",
-                             "fraction_of_ideal"])
+                             "fraction_of_ideal", "schedule_us_per_round",
+                             "launch_us_per_round"])
     path = bench.write_results("speculative", rows, device=a.device,
                                extra={"model": MODEL, "input_len": a.input_len,
                                       "output_len": a.output_len, "failures": failures},
