@@ -39,29 +39,35 @@ from zeroinfer.engine.speculative import SpeculativeConfig
 from zeroinfer.model import load
 from zeroinfer.sampling_params import SamplingParams
 from zeroinfer.testing import bench
-from zeroinfer.testing.drafts import FutureDrafter
+from zeroinfer.testing.drafts import FutureDrafter, draft_on_device_by_slot
 
 MODEL = "dummy"
 
 
-def _pass(model, prompts, params, spec, drafter, futures, rng) -> tuple[float, list, LLMEngine]:
+def _pass(model, prompts, params, spec, drafter, futures, rng, graphs=None
+          ) -> tuple[float, list, LLMEngine]:
     """One timed pass of the workload on a fresh engine after an untimed one (graph captures):
     returns (decode seconds, outputs, engine)."""
     b = len(prompts)
     cfg = EngineConfig(max_num_seqs=b, max_model_len=len(prompts[0]) + params.max_tokens + 8,
-                       max_num_batched_tokens=b * len(prompts[0]), speculative=spec)
+                       max_num_batched_tokens=b * len(prompts[0]), speculative=spec,
+                       decode_graphs=graphs)
     eng = LLMEngine(model, cfg, seed=0)
     for timed in (False, True):
         reqs = [eng.add_request(p, params) for p in prompts]
-        if drafter.startswith("oracle"):
-            right = float(drafter.split("@")[1])
+        right = float(drafter.split("@")[1]) if drafter.startswith("oracle") else None
+        if right is not None:  # (the host's drafter, for synchronous rounds)
             for r, f in zip(reqs, futures):
                 r.ngram = FutureDrafter(f, rng, 1 - right, model.config.vocab_size, full=True)
-        eng.step()  # the prefill round
+        eng.step()  # the prefill round (every prompt admitted: the slots are known now)
+        if right is not None and eng.spec_pipelined:  # (the device's, for pipelined rounds)
+            draft_on_device_by_slot(eng, {r.slot: r.prompt_ids + f for r, f in zip(reqs, futures)},
+                                    1 - right, seed=len(prompts))
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         if timed:
             eng.scheduler.num_drafted = eng.scheduler.num_accepted = 0
+            eng.scheduler.num_pipelined = 0
             eng.host_time = dict.fromkeys(eng.host_time, 0.0)
             rounds0 = eng.rounds
         t0 = time.perf_counter()
@@ -87,8 +93,11 @@ def main() -> None:
     ap.add_argument("--drafts", default="2,4", help="draft counts d to run")
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--decode-graphs", action="store_true",
+                    help="on the CPU too (the fixed shapes, eagerly; pipelined speculation)")
     ap.add_argument("--out-dir", default=None, type=Path)
     a = ap.parse_args()
+    graphs = True if a.decode_graphs else None
     cuda = a.device == "cuda"
     batches = [int(s) for s in (a.batch_sizes or ("1,8,32" if cuda else "1,8")).split(",")]
     drafts = [int(s) for s in a.drafts.split(",")]
@@ -101,7 +110,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(b)
         prompts = [torch.randint(2, V, (a.input_len,), generator=g).tolist() for _ in range(b)]
         rng = random.Random(b)
-        wall, plain, eng = _pass(model, prompts, params, None, "plain", None, rng)
+        wall, plain, eng = _pass(model, prompts, params, None, "plain", None, rng, graphs)
         base_rate = b * (a.output_len - 1) / wall
         base_rounds = eng.timed_rounds
         base_host = _host_us(eng)
@@ -109,13 +118,13 @@ def main() -> None:
         rows.append({"batch": b, "drafter": "plain", "drafts": 0,
                      "decode_tokens_per_s": base_rate, "rounds": base_rounds,
                      "tokens_per_round": b * (a.output_len - 1) / base_rounds / b,
-                     "drafted": 0, "acceptance": None, "speedup": 1.0,
+                     "drafted": 0, "acceptance": None, "speedup": 1.0, "pipelined_rounds": 0,
                      "fraction_of_ideal": 1.0, **base_host})
         print(rows[-1], flush=True)
         for d in drafts:
             for drafter in ("ngram", "oracle@1.0", "oracle@0.7"):
                 wall, out, eng = _pass(model, prompts, params, SpeculativeConfig(d), drafter,
-                                       plain, rng)
+                                       plain, rng, graphs)
                 if out != plain:
                     failures.append(f"batch {b} d {d} {drafter}: tokens differ from plain")
                 s = eng.scheduler
@@ -128,15 +137,17 @@ def main() -> None:
                              "acceptance": s.num_accepted / max(1, s.num_drafted),
                              "speedup": rate / base_rate,
                              "fraction_of_ideal": rate / (base_rate * per_round),
+                             "pipelined_rounds": eng.scheduler.num_pipelined,
                              **_host_us(eng)})
                 eng.close()
                 print(rows[-1], flush=True)
     bench.print_table(rows, ["batch", "drafter", "drafts", "decode_tokens_per_s", "rounds",
                              "tokens_per_round", "drafted", "acceptance", "speedup",
-                             "fraction_of_ideal", "schedule_us_per_round",
+                             "fraction_of_ideal", "pipelined_rounds", "schedule_us_per_round",
                              "launch_us_per_round"])
     path = bench.write_results("speculative", rows, device=a.device,
                                extra={"model": MODEL, "input_len": a.input_len,
+                                      "decode_graphs": graphs,
                                       "output_len": a.output_len, "failures": failures},
                                out_dir=a.out_dir)
     print(f"wrote {path}")

@@ -16,7 +16,7 @@ from zeroinfer.engine.engine import EngineConfig, LLMEngine, kv_bytes_per_token
 from zeroinfer.engine.speculative import NgramIndex, SpeculativeConfig
 from zeroinfer.model import load
 from zeroinfer.sampling_params import SamplingParams
-from zeroinfer.testing.drafts import FutureDrafter
+from zeroinfer.testing.drafts import FutureDrafter, draft_on_device_from
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +63,18 @@ def _workload(rng: random.Random, n: int, vocab: int):
 
 
 def _run(model, work, *, speculative=None, drafter=None, kv_tokens=2000, graphs=False,
-         futures=None, rng=None):
+         futures=None, rng=None, forbid_sync=False):
     cfg = EngineConfig(max_num_seqs=8, max_model_len=96, max_num_batched_tokens=64,
                        kv_cache_bytes=int(kv_tokens * sum(kv_bytes_per_token(model).values())),
-                       decode_graphs=graphs, speculative=speculative)
+                       decode_graphs=graphs, speculative=speculative,
+                       forbid_host_sync=forbid_sync)
     eng = LLMEngine(model, cfg, seed=3)
     reqs = [eng.add_request(p, sp) for p, sp in work]
-    if drafter == "future":
+    if drafter == "future":  # (the host's drafter, and the device's of pipelined rounds)
         for r, f in zip(reqs, futures):
             r.ngram = FutureDrafter(f, rng, 0.3, model.config.vocab_size)
+        if eng.spec_pipelined:
+            draft_on_device_from(eng, reqs, futures, rng, 0.3)
     eng.drain()
     eng.finish()
     assert eng.blocks.all_free(), "KV blocks leaked"
@@ -98,14 +101,18 @@ def test_speculative_tokens_equal_plain_decoding(model, gen, graphs, drafter):
         assert eng.rounds < plain_eng.rounds
     else:
         assert s.num_drafted > 0  # the repetitive prompts gave the drafter matches
+    if graphs:  # zero-overhead: rounds launched before the one before them is committed
+        assert eng.spec_pipelined and s.num_pipelined > 0
     if graphs and drafter == "future":  # (n-gram drafts may all come in mixed rounds)
         steps = eng.runner.graphs.steps
         assert any(k[1] > 1 for k in steps), "no verification round ran in fixed shapes"
 
 
-def test_speculation_under_preemption(model, gen):
+@pytest.mark.parametrize("graphs", [False, True], ids=["sync", "pipelined"])
+def test_speculation_under_preemption(model, gen, graphs):
     """A KV budget that forces preemptions: the verification rows' reserved blocks are
-    released and retaken, and the tokens still equal plain decoding's."""
+    released and retaken (pipelined: a round that would need a preemption is a barrier), and
+    the tokens still equal plain decoding's."""
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
     # every request runs its full length (30 + 40 tokens), and the budget's CSA blocks hold
     # two such requests at a time
@@ -114,7 +121,7 @@ def test_speculation_under_preemption(model, gen):
             for p, sp in _workload(rng, 10, model.config.vocab_size)]
     plain, _ = _run(model, work, kv_tokens=200)
     got, eng = _run(model, work, kv_tokens=200, speculative=SpeculativeConfig(4),
-                    drafter="future", futures=[o for o, _, _ in plain], rng=rng)
+                    drafter="future", futures=[o for o, _, _ in plain], rng=rng, graphs=graphs)
     assert [(a, r) for a, r, _ in plain] == [(a, r) for a, r, _ in got]
     assert eng.scheduler.num_preemptions > 0
     assert eng.scheduler.num_accepted > 0
@@ -135,16 +142,22 @@ def test_speculative_config_errors(model):
 
 
 @pytest.mark.gpu
-def test_cuda_speculation_in_decode_graphs(gen):
-    """On CUDA (float32): verification rounds replay CUDA graphs of rows of 1 + d tokens and
-    give plain decoding's tokens."""
+@pytest.mark.parametrize("drafter", ["future", "ngram"])
+def test_cuda_speculation_in_decode_graphs(gen, drafter):
+    """On CUDA (float32): verification rounds replay CUDA graphs of rows of 1 + d tokens,
+    pipelined (launched before the round before is committed), and give plain decoding's
+    tokens. With the device's own n-gram drafter the launch path makes no host sync (torch's
+    sync debug mode would raise)."""
     model = load("dummy:tiny-yarn", dtype=torch.float32, device="cuda", seed=11)
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
     work = _workload(rng, 16, model.config.vocab_size)
     plain, _ = _run(model, work, graphs=None)
-    got, eng = _run(model, work, speculative=SpeculativeConfig(4), drafter="future",
-                    graphs=None, futures=[o for o, _, _ in plain], rng=rng)
+    got, eng = _run(model, work, speculative=SpeculativeConfig(4), drafter=drafter,
+                    graphs=None, futures=[o for o, _, _ in plain], rng=rng,
+                    forbid_sync=drafter == "ngram")
     assert [(a, r) for a, r, _ in plain] == [(a, r) for a, r, _ in got]
-    assert eng.scheduler.num_accepted > 0
+    assert eng.spec_pipelined and eng.scheduler.num_pipelined > 0
+    if drafter == "future":
+        assert eng.scheduler.num_accepted > 0
     steps = eng.runner.graphs.steps
     assert any(k[1] > 1 and s.graph is not None for k, s in steps.items())

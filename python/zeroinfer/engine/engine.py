@@ -7,9 +7,14 @@ up one round behind. Both modes produce identical tokens (the sampler's randomne
 request seed and position, and the length correction places exactly the committed tokens).
 
 Speculative decoding (EngineConfig.speculative, engine/speculative.py) verifies n-gram drafts
-in decode rows; its rounds are synchronous for now (the host drafts from committed tokens, and a
-row's length after a round is known only at its commit). Pipelining them needs the drafter on
-the device and the length correction's variable accepted counts, as DeepInfer does.
+in decode rows. A row's length after a round is known only at its commit, so with decode graphs
+its rounds are pipelined from the device: each round's epilogue keeps every slot's length, next
+ids (the bonus token, then n-gram drafts from a token history on the device) and draft count
+(engine/spec_state.py), and the next round, launched before the host commits this one, reads
+its rows from there (Scheduler.schedule_pipelined, ModelRunner._run_pipelined). A round that
+needs the host - an admission, a prefill, a constrained request, blocks that need a preemption
+- is a barrier: the round in flight is committed first. Without decode graphs (or under expert
+parallelism) speculative rounds are synchronous.
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ class EngineConfig:
 
     @property
     def pipelined(self) -> bool:
-        """Whether rounds run one ahead (zero-overhead): asked for, and not speculative."""
+        """Whether plain rounds run one ahead (zero-overhead): asked for, and not speculative
+        (speculative rounds are pipelined by LLMEngine.spec_pipelined)."""
         return self.async_scheduling and self.speculative is None
 
 
@@ -132,7 +138,12 @@ class LLMEngine:
                              "in eager rounds: it runs with forbid_host_sync=False")
         graphs = model.device.type == "cuda" if cfg.decode_graphs is None else cfg.decode_graphs
         self.runner = ModelRunner(model.net, caches, model.device, forbid_sync=cfg.forbid_host_sync,
-                                  decode_graphs=graphs)
+                                  decode_graphs=graphs, speculative=cfg.speculative,
+                                  max_len=cfg.max_model_len, slots=cfg.max_num_seqs)
+        # Speculative rounds pipelined: verification rounds in fixed shapes launched before the
+        # round before them is committed, their rows from the device's speculative state.
+        self.spec_pipelined = (cfg.speculative is not None and cfg.async_scheduling
+                               and graphs and self.ep is None)
         model.net.rope(model.device)  # build the RoPE tables now, not inside a launch
         self.scheduler.round_done = self._round_done
         self.rng = random.Random(seed)
@@ -251,7 +262,15 @@ class LLMEngine:
         """Advance by one round; returns requests that finished during this call."""
         t0 = time.perf_counter()
         prev = self.inflight
-        batch = self.scheduler.schedule(prev[0] if (prev and self.cfg.pipelined) else None)
+        finished = []
+        batch = None
+        if prev is not None and self.spec_pipelined:
+            batch = self.scheduler.schedule_pipelined(prev[0], self.runner.graphs.max_rows)
+            if batch is None:  # a barrier: commit the round in flight, then schedule on the host
+                finished += self._commit(*prev)
+                self.inflight = prev = None
+        if batch is None:
+            batch = self.scheduler.schedule(prev[0] if (prev and self.cfg.pipelined) else None)
         t1 = time.perf_counter()
         handle = None
         prev_handle = prev[1] if prev else None
@@ -269,13 +288,12 @@ class LLMEngine:
             if self.history is not None:
                 self.history.append(handle)
         t2 = time.perf_counter()
-        finished = []
         if prev is not None:  # commit round N while round N+1 runs
             finished += self._commit(*prev)
         if handle is not None and defer:
             self.runner.launch_sampling(handle)
         self.inflight = (batch, handle) if handle is not None else None
-        if not self.cfg.pipelined and self.inflight is not None:
+        if not (self.cfg.pipelined or self.spec_pipelined) and self.inflight is not None:
             finished += self._commit(*self.inflight)
             self.inflight = None
         t3 = time.perf_counter()

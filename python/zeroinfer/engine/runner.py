@@ -19,6 +19,7 @@ import torch
 
 from zeroinfer import ops
 from zeroinfer.engine.scheduler import RoundResult, ScheduledBatch
+from zeroinfer.engine.spec_state import SpeculativeState
 from zeroinfer.model.cache import ForwardBatch, LayerCache, host_tensor
 from zeroinfer.model.decode_graph import DecodeGraphs
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -88,8 +89,12 @@ class RoundHandle:
         top = None
         if "top_ids" in h:
             top = [list(zip(i, p)) for i, p in zip(h["top_ids"].tolist(), h["top_logprobs"].tolist())]
-        return RoundResult(tokens=h["tokens"].tolist(), logprobs=h["logprob"].tolist(), top=top,
-                           prompt_logits=self.prompt_logits)
+        rows = {}
+        if "row_start" in h:  # a pipelined round: every row's start, ids and drafts
+            rows = {i: (s, ids, n) for i, (s, ids, n) in enumerate(zip(
+                h["row_start"].tolist(), h["row_ids"].tolist(), h["row_drafts"].tolist()))}
+        return RoundResult(tokens=h["tokens"].tolist(), rows=rows, logprobs=h["logprob"].tolist(),
+                           top=top, prompt_logits=self.prompt_logits)
 
 
 @contextmanager
@@ -164,8 +169,13 @@ class HostBlockTables:
 
 class ModelRunner:
     def __init__(self, net: DeepseekV4ForCausalLM, caches: list[LayerCache], device: torch.device,
-                 *, forbid_sync: bool = False, decode_graphs: bool = False) -> None:
+                 *, forbid_sync: bool = False, decode_graphs: bool = False,
+                 speculative=None, max_len: int = 0, slots: int = 0) -> None:
+        """speculative (a SpeculativeConfig): keep the per-slot speculative state on the device
+        (`slots` sequences of up to `max_len` positions), so rounds can be pipelined."""
         self.net, self.caches, self.device = net, caches, device
+        self.spec_state = (SpeculativeState(slots, max_len, speculative, device)
+                           if speculative is not None else None)
         self.graphs = DecodeGraphs(net, caches, device) if decode_graphs else None
         self.cuda = device.type == "cuda"
         self.forbid_sync = forbid_sync and self.cuda
@@ -386,6 +396,10 @@ class ModelRunner:
         q = host["tokens"]
         if host["graph"] is not None:
             self.graph_rounds[q] = self.graph_rounds.get(q, 0) + 1
+        if batch.rows and batch.rows[0].device:
+            return self._run_pipelined(host)
+        if self.spec_state is not None:
+            self._spec_inputs(batch, host, input_ids, positions)
         if host["graph"] is not None and q > 1:
             # verification rows (synchronous: the ids are the host's), each padded to q tokens
             # with guesses (0) that are never kept; the draws read the real tokens' logits
@@ -411,6 +425,51 @@ class ModelRunner:
                               logits_rows=self._tensor(host["logits_rows"], i64))
         return logits
 
+    def _run_pipelined(self, host: dict) -> torch.Tensor:
+        """A pipelined round of verification rows (speculative decoding, every row's start and
+        ids on the device, in SpeculativeState): in fixed shapes, each row's full 1 + D tokens
+        (past its real drafts, junk that is never kept)."""
+        st, i64 = self.spec_state, torch.int64
+        q = 1 + st.D
+        if host["graph"] is None or host["tokens"] != q:
+            raise RuntimeError("a pipelined round runs in fixed shapes of full verification rows")
+        sl = self._tensor(host["slots"], i64)
+        ctx = st.length[sl] - 1
+        ids = st.next_ids[sl]
+        pos = ctx[:, None] + torch.arange(q, device=self.device)
+        st.write(sl.repeat_interleave(q), pos.reshape(-1), ids.reshape(-1))
+        logits = self.graphs.run(ids.reshape(-1), ctx, host["slots"], host["tables"],
+                                 rows=host["graph"], tokens=q)
+        params, seeds, _, allowed = host["sampling"]
+        host["sampling"] = (params, seeds, (pos + 1).reshape(-1), allowed)
+        host["spec_rows"] = (sl, ctx, ids, st.drafts[sl].clone(), None)
+        return logits
+
+    def _spec_inputs(self, batch: ScheduledBatch, host: dict, input_ids: torch.Tensor,
+                     positions: torch.Tensor) -> None:
+        """Speculative decoding, a round built on the host: its tokens into the device
+        history, and its sampling rows as the epilogue takes them (SpeculativeState.advance:
+        each row from its first sampled position, its ids from there, its real drafts)."""
+        i64 = torch.int64
+        rows = batch.rows
+        slots = [r.req.slot for r in rows for _ in range(r.num_tokens)]
+        self.spec_state.write(self._tensor(slots, i64), positions.to(i64), input_ids.to(i64))
+        sample = [rows[i] for i in batch.sample_rows]
+        if not sample:
+            return
+        q = max(r.num_samples for r in sample)
+        ctx, ids, drafts, draw_at, k = [], [], [], [], 0
+        for r in sample:
+            m = r.num_samples
+            ctx.append(r.start + r.num_tokens - m)
+            ids.append(r.token_ids[r.num_tokens - m:] + [0] * (q - m))
+            drafts.append(r.drafts)
+            draw_at.append([k + min(j, m - 1) for j in range(q)])
+            k += m
+        host["spec_rows"] = (self._tensor([r.req.slot for r in sample], i64),
+                             self._tensor(ctx, i64), self._tensor(ids, i64),
+                             self._tensor(drafts, i64), self._tensor(draw_at, i64))
+
     def _sample(self, handle: RoundHandle, host: dict, logits: torch.Tensor) -> None:
         """The round's prompt logits to the host, and its sampling rows drawn."""
         i64 = torch.int64
@@ -431,6 +490,15 @@ class ModelRunner:
             res = sample(logits[self._tensor(sample_idx, i64)] if len(sample_idx) != logits.shape[0]
                          else logits, sb)
             handle.tokens = res.tokens
+            if "spec_rows" in host:  # speculative state: the rows' kept drafts, next drafts
+                sl, ctx, ids, drafts, draw_at = host["spec_rows"]
+                draws = (res.tokens.view(ids.shape) if draw_at is None
+                         else res.tokens[draw_at])
+                self.spec_state.advance(sl, ctx, ids, drafts, draws)
+                if draw_at is None:  # (pipelined: the host learns what the device ran)
+                    handle.host["row_start"] = self._to_host(ctx)
+                    handle.host["row_ids"] = self._to_host(ids)
+                    handle.host["row_drafts"] = self._to_host(drafts)
             handle.host["tokens"] = self._to_host(res.tokens)
             handle.host["logprob"] = self._to_host(res.logprob)
             if getattr(res, "top_ids", None) is not None:

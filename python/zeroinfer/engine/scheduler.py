@@ -37,6 +37,9 @@ class Row:
     all_logits: bool = False  # return logits of every token (prompt scoring)
     drafts: int = 0  # a verification row: token_ids[1:] are drafts, every position sampled
     room: int = 1  # tokens from `start` the request's blocks hold (>= num_tokens)
+    # a pipelined verification row: its start and ids are on the device (the speculative
+    # state), read back with the round's results (RoundResult.rows); token_ids are placeholders
+    device: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +72,8 @@ class RoundResult:
     Row.num_samples draws."""
 
     tokens: list[int]
+    # pipelined verification rows: row index -> (start, ids, real drafts), from the device
+    rows: dict[int, tuple[int, list[int], int]] = field(default_factory=dict)
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None
     prompt_logits: dict[int, object] = field(default_factory=dict)  # row index -> [n, V] tensor
@@ -83,6 +88,7 @@ class Scheduler:
         self.blocks = blocks
         self.speculative = speculative
         self.num_drafted = self.num_accepted = 0  # drafts verified / kept, over all rounds
+        self.num_pipelined = 0  # rounds scheduled while the one before was in flight
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -205,6 +211,43 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(rid, rows)
 
+    def schedule_pipelined(self, prev: ScheduledBatch, max_rows: int) -> ScheduledBatch | None:
+        """Speculative decoding, the round after `prev` while `prev` is in flight: one
+        verification row for every running request, its start and ids left on the device by
+        prev's epilogue (SpeculativeState). None where this cannot be - a request waits to be
+        admitted or is not in prev's sampling rows (a prefill, a barrier round's), a
+        constrained request (its masks need its drafts on the host), blocks for the row's
+        optimistic reach cannot be had without a preemption, or more rows than a graph class
+        holds: then the caller commits prev first and schedules on the host (a barrier)."""
+        if self.waiting:
+            return None
+        self.reclaim(wait=False)
+        in_prev = {id(prev.rows[i].req) for i in prev.sample_rows}
+        D = self.speculative.num_draft_tokens
+        live = [r for r in self.running if r.status is Status.RUNNING]
+        rows: list[Row] = []
+        for req in live:
+            if id(req) not in in_prev or req.inflight != 1 or req.matcher is not None:
+                return None
+            if self._will_finish(req):  # (prev's commit ends it)
+                continue
+            # Its committed tokens reach the bonus of the round before prev; prev emits at most
+            # 1 + D, and this row spans 1 + D from there.
+            reach = req.num_known + 2 * D + 1
+            if not self.blocks.can_grow(req.blocks, reach):
+                return None
+            rows.append(req)
+        if not rows or len(rows) > max_rows:
+            return None
+        self.round_id += 1
+        self.num_pipelined += 1
+        out = []
+        for req in rows:
+            self.blocks.grow(req.blocks, req.num_known + 2 * D + 1)
+            out.append(Row(req, -1, [0] * (1 + D), -1, True, False, D, 1 + D, True))
+            req.inflight += 1
+        return ScheduledBatch(self.round_id, out)
+
     def _add_row(self, rows: list[Row], req: Request, pos: int, ids: list[int],
                  prev_row: int) -> None:
         end = pos + len(ids)
@@ -246,11 +289,15 @@ class Scheduler:
                 continue  # aborted or finished meanwhile: the tokens are dropped
             emit = 1
             if row.drafts:  # the drafts the draws confirm, then the first draw that differs
-                kept = accepted_prefix(row.token_ids[1:], result.tokens[first:k])
-                self.num_drafted += row.drafts
+                start, drafts = row.start, row.token_ids[1:]
+                if row.device:  # (what the device ran: its start, ids and real drafts)
+                    start, ids, n = result.rows[i]
+                    drafts = ids[1:1 + n]
+                kept = accepted_prefix(drafts, result.tokens[first:k])
+                self.num_drafted += len(drafts)
                 self.num_accepted += kept
                 emit = 1 + kept
-                req.num_computed = row.start + emit  # the rejected drafts' K/V is stale
+                req.num_computed = start + emit  # the rejected drafts' K/V is stale
             for j in range(first, first + emit):
                 reason = self._append(req, result, j, on_token)
                 if reason is not None:

@@ -130,7 +130,7 @@ class DecodeGraphs:
         """One step of S = len(context_lens) sequences of `tokens` new tokens each: input_ids
         [S * tokens] row major (a list, or a device tensor such as the previous round's
         samples), each sequence's context length (the tokens cached before its first new one:
-        that one's position), state slot and block tables (per kind, "window" / "csa" /
+        that one's position; a list, or a device tensor), state slot and block tables (per kind, "window" / "csa" /
         "hca": lists of block ids, or an int32 CPU tensor [S, w] with -1 past each row's
         blocks; they must hold every new token's position). rows: run in the class of that
         many rows (>= S; S may be 0), not of S's: what an expert-parallel group agreed on."""
@@ -179,9 +179,12 @@ class DecodeGraphs:
         """The step's inputs into the class's fixed tensors; rows past S are padding."""
         n, S, q = step.rows, len(context_lens), step.tokens
         pad = n - S
-        meta = [list(context_lens) + [0] * pad, list(state_slots) + [self.scratch_slot] * pad,
-                [1] * S + [0] * pad]
+        on_device = isinstance(context_lens, torch.Tensor)  # (a pipelined round's lengths)
+        meta = [[0] * n if on_device else list(context_lens) + [0] * pad,
+                list(state_slots) + [self.scratch_slot] * pad, [1] * S + [0] * pad]
         step.meta.copy_(host_tensor(meta, self.device), non_blocking=True)
+        if on_device:
+            step.meta[0, :S].copy_(context_lens.view(-1), non_blocking=True)
         got = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
         if got != S * q:
             raise ValueError(f"decode graphs: {S} rows of {q} tokens take {S * q} input ids, "

@@ -147,7 +147,9 @@ class SamplingBatch:
                 raise ValueError(
                     f"SamplingBatch.build: seeds must be ints in [0, 2**63), got {s!r}"
                 )
-        for q in positions:
+        # (a tensor of positions on the device - a pipelined round's, known only there - is
+        # taken as it is)
+        for q in ([] if isinstance(positions, torch.Tensor) else positions):
             if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q < SEED_LIMIT:
                 raise ValueError(f"SamplingBatch.build: positions must be ints >= 0, got {q!r}")
         sampled = [p for p in params if p.temperature > 0]
@@ -169,7 +171,8 @@ class SamplingBatch:
             top_p=put([p.top_p for p in params], torch.float32),
             min_p=put([p.min_p for p in params], torch.float32),
             seed=put(list(seeds), torch.int64),
-            position=put(list(positions), torch.int64),
+            position=(positions.to(torch.int64) if isinstance(positions, torch.Tensor)
+                      else put(list(positions), torch.int64)),
             max_logprobs=max(requested, default=-1),
             needs_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
             any_sampled=bool(sampled),

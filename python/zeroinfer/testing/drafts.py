@@ -26,3 +26,64 @@ class FutureDrafter:
         out = self.future[self.done:self.done + n]
         return [self.rng.randrange(self.vocab) if self.rng.random() < self.wrong else t
                 for t in out]
+
+
+def draft_on_device_from(engine, reqs, futures: list[list[int]], rng: random.Random,
+                         wrong: float) -> None:
+    """Make `engine`'s device drafter (its SpeculativeState.propose, which drafts the rows of
+    pipelined rounds) draft from known continuations too: for the request in each slot, the
+    tokens at its positions length .. length + n (n random up to D), each wrong with
+    probability `wrong`. It reads the slots on the host (a sync: for CPU tests)."""
+    import torch
+
+    st = engine.runner.spec_state
+    vocab = engine.model.config.vocab_size
+    seqs = [(r, list(r.prompt_ids) + list(f)) for r, f in zip(reqs, futures)]
+
+    def propose(slots, length):
+        out = torch.zeros(len(slots), st.D, dtype=torch.int64, device=slots.device)
+        count = torch.zeros(len(slots), dtype=torch.int64, device=slots.device)
+        for i, (s, n_known) in enumerate(zip(slots.tolist(), length.tolist())):
+            seq = next((q for r, q in seqs if r.slot == s and not r.finished), None)
+            if seq is None:
+                continue
+            d = seq[n_known:n_known + rng.randint(0, st.D)]
+            d = [rng.randrange(vocab) if rng.random() < wrong else t for t in d]
+            if d:
+                out[i, :len(d)] = torch.tensor(d)
+            count[i] = len(d)
+        return out, count
+
+    st.propose = propose
+
+
+def draft_on_device_by_slot(engine, seqs: dict[int, list[int]], wrong: float,
+                            seed: int = 0) -> None:
+    """draft_on_device_from without host reads (for benchmarks on a GPU): `seqs` maps a state
+    slot to its request's whole sequence (prompt, then plain decoding's output), fixed for the
+    run (no preemption). Every row drafts the full D tokens its sequence still has, each wrong
+    with probability `wrong`, drawn on the device."""
+    import torch
+
+    st = engine.runner.spec_state
+    dev = st.hist.device
+    longest = max(len(s) for s in seqs.values())
+    table = torch.zeros(st.hist.shape[0], longest + st.D, dtype=torch.int64)
+    ends = torch.zeros(st.hist.shape[0], dtype=torch.int64)
+    for slot, seq in seqs.items():
+        table[slot, :len(seq)] = torch.tensor(seq)
+        ends[slot] = len(seq)
+    table, ends = table.to(dev), ends.to(dev)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+
+    def propose(slots, length):
+        d = torch.arange(st.D, device=dev)
+        at = (length[:, None] + d).clamp(max=table.shape[1] - 1)
+        out = table[slots[:, None], at]
+        bad = torch.rand(out.shape, generator=gen, device=dev) < wrong
+        out = torch.where(bad, torch.randint(0, vocab, out.shape, generator=gen, device=dev),
+                          out)
+        return out, (ends[slots] - length).clamp(min=0, max=st.D)
+
+    st.propose = propose
