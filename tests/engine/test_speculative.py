@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from zeroinfer.engine.engine import EngineConfig, LLMEngine, kv_bytes_per_token
+from zeroinfer.engine.spec_state import SpeculativeState
 from zeroinfer.engine.speculative import NgramIndex, SpeculativeConfig
 from zeroinfer.model import load
 from zeroinfer.sampling_params import SamplingParams
@@ -46,6 +47,26 @@ def test_ngram_index_matches_brute_force(gen):
             k = int(torch.randint(0, 6, (1,), generator=gen))
             assert idx.propose(k) == _brute_propose(seq[:t], k, min_n, max_n), (seq[:t], k)
             idx.extend(seq[t:t + 1])
+
+
+def test_device_drafter_matches_ngram_index(gen):
+    """The pipelined rounds' drafter (SpeculativeState.propose, vectorised over the rows and the
+    history on the device) proposes what the host's NgramIndex does, at every length."""
+    for _ in range(10):
+        vocab = int(torch.randint(2, 6, (1,), generator=gen))
+        min_n = int(torch.randint(1, 3, (1,), generator=gen))
+        max_n = min_n + int(torch.randint(0, 3, (1,), generator=gen))
+        D = int(torch.randint(1, 6, (1,), generator=gen))
+        st = SpeculativeState(4, 80, SpeculativeConfig(D, min_n, max_n), torch.device("cpu"))
+        seqs = torch.randint(0, vocab, (3, 60), generator=gen)
+        slots = torch.tensor([2, 0, 3])
+        st.hist[slots, :60] = seqs
+        for length in range(1, 61):
+            got, count = st.propose(slots, torch.full((3,), length))
+            for r in range(3):
+                want = NgramIndex(seqs[r, :length].tolist(), min_n, max_n).propose(D)
+                assert got[r, :count[r]].tolist() == want, (length, r)
+                assert not got[r, count[r]:].any()
 
 
 def _workload(rng: random.Random, n: int, vocab: int):
