@@ -267,8 +267,12 @@ class LLMEngine:
         if prev is not None and self.spec_pipelined:
             batch = self.scheduler.schedule_pipelined(prev[0], self.runner.graphs.max_rows)
             if batch is None:  # a barrier: commit the round in flight, then schedule on the host
+                tb = time.perf_counter()
                 finished += self._commit(*prev)
                 self.inflight = prev = None
+                waited = time.perf_counter() - tb  # (counted as commit time, not scheduling)
+                self.host_time["commit"] += waited
+                t0 += waited
         if batch is None:
             batch = self.scheduler.schedule(prev[0] if (prev and self.cfg.pipelined) else None)
         t1 = time.perf_counter()

@@ -91,8 +91,9 @@ class RoundHandle:
             top = [list(zip(i, p)) for i, p in zip(h["top_ids"].tolist(), h["top_logprobs"].tolist())]
         rows = {}
         if "row_start" in h:  # a pipelined round: every row's start, ids and drafts
-            rows = {i: (s, ids, n) for i, (s, ids, n) in enumerate(zip(
-                h["row_start"].tolist(), h["row_ids"].tolist(), h["row_drafts"].tolist()))}
+            rows = {i: row for i, row in enumerate(zip(
+                h["row_start"].tolist(), h["row_ids"].tolist(), h["row_drafts"].tolist(),
+                h["row_offered"].tolist()))}
         return RoundResult(tokens=h["tokens"].tolist(), rows=rows, logprobs=h["logprob"].tolist(),
                            top=top, prompt_logits=self.prompt_logits)
 
@@ -427,22 +428,25 @@ class ModelRunner:
 
     def _run_pipelined(self, host: dict) -> torch.Tensor:
         """A pipelined round of verification rows (speculative decoding, every row's start and
-        ids on the device, in SpeculativeState): in fixed shapes, each row's full 1 + D tokens
-        (past its real drafts, junk that is never kept)."""
+        ids on the device, in SpeculativeState): in fixed shapes, q tokens a row (the
+        scheduler's choice; a row's drafts past q - 1 are not verified, and past its drafts
+        the tokens are junk that is never kept)."""
         st, i64 = self.spec_state, torch.int64
-        q = 1 + st.D
-        if host["graph"] is None or host["tokens"] != q:
-            raise RuntimeError("a pipelined round runs in fixed shapes of full verification rows")
+        q = host["tokens"]
+        if host["graph"] is None or q > 1 + st.D:
+            raise RuntimeError("a pipelined round runs in fixed shapes of verification rows")
         sl = self._tensor(host["slots"], i64)
         ctx = st.length[sl] - 1
-        ids = st.next_ids[sl]
+        ids = st.next_ids[sl][:, :q]
         pos = ctx[:, None] + torch.arange(q, device=self.device)
         st.write(sl.repeat_interleave(q), pos.reshape(-1), ids.reshape(-1))
         logits = self.graphs.run(ids.reshape(-1), ctx, host["slots"], host["tables"],
                                  rows=host["graph"], tokens=q)
         params, seeds, _, allowed = host["sampling"]
         host["sampling"] = (params, seeds, (pos + 1).reshape(-1), allowed)
-        host["spec_rows"] = (sl, ctx, ids, st.drafts[sl].clone(), None)
+        offered = st.drafts[sl]  # (a copy: the epilogue writes the next round's)
+        host["spec_rows"] = (sl, ctx, ids, offered.clamp(max=q - 1), None)
+        host["offered"] = offered
         return logits
 
     def _spec_inputs(self, batch: ScheduledBatch, host: dict, input_ids: torch.Tensor,
@@ -499,6 +503,7 @@ class ModelRunner:
                     handle.host["row_start"] = self._to_host(ctx)
                     handle.host["row_ids"] = self._to_host(ids)
                     handle.host["row_drafts"] = self._to_host(drafts)
+                    handle.host["row_offered"] = self._to_host(host["offered"])
             handle.host["tokens"] = self._to_host(res.tokens)
             handle.host["logprob"] = self._to_host(res.logprob)
             if getattr(res, "top_ids", None) is not None:

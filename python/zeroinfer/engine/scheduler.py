@@ -72,8 +72,9 @@ class RoundResult:
     Row.num_samples draws."""
 
     tokens: list[int]
-    # pipelined verification rows: row index -> (start, ids, real drafts), from the device
-    rows: dict[int, tuple[int, list[int], int]] = field(default_factory=dict)
+    # pipelined verification rows: row index -> (start, ids, drafts verified, drafts the device
+    # proposed), from the device
+    rows: dict[int, tuple[int, list[int], int, int]] = field(default_factory=dict)
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None
     prompt_logits: dict[int, object] = field(default_factory=dict)  # row index -> [n, V] tensor
@@ -89,6 +90,10 @@ class Scheduler:
         self.speculative = speculative
         self.num_drafted = self.num_accepted = 0  # drafts verified / kept, over all rounds
         self.num_pipelined = 0  # rounds scheduled while the one before was in flight
+        # the most drafts a row of the last committed round had on offer: a pipelined round
+        # verifies that many a row (its drafts are on the device, unknown here), so that
+        # where the drafter finds nothing the rounds stay plain decode rounds
+        self.recent_drafts = speculative.num_draft_tokens if speculative else 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -241,10 +246,11 @@ class Scheduler:
             return None
         self.round_id += 1
         self.num_pipelined += 1
+        d = min(D, self.recent_drafts)
         out = []
         for req in rows:
             self.blocks.grow(req.blocks, req.num_known + 2 * D + 1)
-            out.append(Row(req, -1, [0] * (1 + D), -1, True, False, D, 1 + D, True))
+            out.append(Row(req, -1, [0] * (1 + d), -1, True, False, d, 1 + d, True))
             req.inflight += 1
         return ScheduledBatch(self.round_id, out)
 
@@ -279,6 +285,7 @@ class Scheduler:
         """Apply a completed round. on_token(req, token) returns a finish reason or None.
         Returns the requests that finished."""
         finished = []
+        offered = None  # the most drafts a speculating row had on offer (recent_drafts)
         k = 0  # the row's first draw in the result
         for i in batch.sample_rows:
             row = batch.rows[i]
@@ -287,11 +294,13 @@ class Scheduler:
             req.inflight -= 1
             if req.finished:
                 continue  # aborted or finished meanwhile: the tokens are dropped
+            if req.ngram is not None:
+                offered = max(offered or 0, result.rows[i][3] if row.device else row.drafts)
             emit = 1
-            if row.drafts:  # the drafts the draws confirm, then the first draw that differs
-                start, drafts = row.start, row.token_ids[1:]
+            if row.drafts or row.device:  # the drafts the draws confirm, then the first draw
+                start, drafts = row.start, row.token_ids[1:]  # that differs
                 if row.device:  # (what the device ran: its start, ids and real drafts)
-                    start, ids, n = result.rows[i]
+                    start, ids, n, _ = result.rows[i]
                     drafts = ids[1:1 + n]
                 kept = accepted_prefix(drafts, result.tokens[first:k])
                 self.num_drafted += len(drafts)
@@ -304,6 +313,8 @@ class Scheduler:
                     self._finish(req, reason)
                     finished.append(req)
                     break
+        if offered is not None:
+            self.recent_drafts = offered
         for i, logits in result.prompt_logits.items():
             req = batch.rows[i].req
             if req.finished:
