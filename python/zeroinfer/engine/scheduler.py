@@ -237,10 +237,12 @@ class Scheduler:
             if self._will_finish(req):  # (prev's commit ends it)
                 continue
             # Its committed tokens reach the bonus of the round before prev; prev emits at most
-            # 1 + D, and this row spans 1 + D from there.
+            # 1 + D, and this row spans 1 + D from there. (Blocks taken for a round that then
+            # does not happen stay the request's, for its next rows.)
             reach = req.num_known + 2 * D + 1
             if not self.blocks.can_grow(req.blocks, reach):
                 return None
+            self.blocks.grow(req.blocks, reach)
             rows.append(req)
         if not rows or len(rows) > max_rows:
             return None
@@ -249,7 +251,6 @@ class Scheduler:
         d = min(D, self.recent_drafts)
         out = []
         for req in rows:
-            self.blocks.grow(req.blocks, req.num_known + 2 * D + 1)
             out.append(Row(req, -1, [0] * (1 + d), -1, True, False, d, 1 + d, True))
             req.inflight += 1
         return ScheduledBatch(self.round_id, out)
