@@ -12,6 +12,9 @@ OUT=${OUT:-/tmp/zeroinfer-out}
 STEPS=${ZI_STEPS:-build tests sanitize bench engine}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+# The device's copy of the tree may carry stale git metadata: the results' commit comes from
+# .device/commit (written before the call) where there is one.
+[[ -z "${ZEROINFER_COMMIT:-}" && -f .device/commit ]] && export ZEROINFER_COMMIT=$(cat .device/commit)
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; python3 -c 'import torch;print(torch.__version__)'; } 2>&1 | tee "$OUT/env.log"
 
