@@ -32,7 +32,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eplb-window", type=int, default=100)
     p.add_argument("--speculative-tokens", type=int, default=0,
                    help="speculative decoding: verify up to this many n-gram (prompt lookup) "
-                        "drafts a decode row (0: off; its rounds run synchronously)")
+                        "drafts a decode row (0: off)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -50,8 +50,8 @@ class LLM:
     its own prompts and holds its slots of the routed experts; every rank calls generate (with
     its own prompts, possibly none) the same number of times.
     speculative: a zeroinfer.SpeculativeConfig to verify n-gram drafts in decode rounds (the
-    same tokens, more of them a round where the text repeats itself; its rounds are
-    synchronous).
+    same tokens, more of them a round where the text repeats itself; its rounds are pipelined
+    where decode graphs are on, synchronous otherwise).
     """
 
     def __init__(self, model: str = "dummy", *, dtype: str | torch.dtype = "auto",

@@ -56,7 +56,8 @@ class EngineConfig:
     # "auto": the K=V caches in the activation dtype; "fp8": in the V4 FP8 layout (584 bytes a
     # vector: 448 e4m3 NoPE values with 7 power-of-two scales, 64 bf16 RoPE values).
     kv_cache_dtype: str = "auto"
-    # Speculative decoding by n-gram lookup (None: off). Its rounds run synchronously.
+    # Speculative decoding by n-gram lookup (None: off). Its rounds are pipelined where decode
+    # graphs are on (LLMEngine.spec_pipelined), synchronous otherwise.
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:

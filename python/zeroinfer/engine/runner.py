@@ -438,8 +438,9 @@ class ModelRunner:
         sl = self._tensor(host["slots"], i64)
         ctx = st.length[sl] - 1
         ids = st.next_ids[sl][:, :q]
+        # (no history write: the bonus at ctx is there from the epilogue before, and the
+        # drafts the draws confirm are written by this round's)
         pos = ctx[:, None] + torch.arange(q, device=self.device)
-        st.write(sl.repeat_interleave(q), pos.reshape(-1), ids.reshape(-1))
         logits = self.graphs.run(ids.reshape(-1), ctx, host["slots"], host["tables"],
                                  rows=host["graph"], tokens=q)
         params, seeds, _, allowed = host["sampling"]

@@ -83,9 +83,9 @@ class RoundResult:
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, speculative: SpeculativeConfig | None = None) -> None:
-        """speculative: decode rows verify n-gram drafts. The rounds must then be committed
-        before the next is scheduled (the drafts need the committed tokens, and a row's length
-        after the round is known only then)."""
+        """speculative: decode rows verify n-gram drafts. `schedule` builds them from committed
+        tokens (the round before committed); `schedule_pipelined` builds the round after one
+        in flight from the device's speculative state."""
         self.blocks = blocks
         self.speculative = speculative
         self.num_drafted = self.num_accepted = 0  # drafts verified / kept, over all rounds

@@ -151,8 +151,8 @@ def allocate_caches(config: ModelConfig, spec: CacheSpec, dtype: torch.dtype,
 
 @dataclass
 class DecodeRows:
-    """A fixed-shape decode step's per-token metadata, on the device. The step has S rows of
-    `tokens` consecutive positions each (T = S * tokens, row major; the positions are
+    """A fixed-shape decode step's per-token metadata, on the device. The step has S rows of q
+    consecutive positions each (T = S * q, row major; the positions are
     ForwardBatch.positions): one new token a row, or a verification row's sampled token and
     its drafts. state_slots [T] int64: each token's row's state slot; real [T] bool: False for
     a padding row's tokens. A padding row is a fresh sequence with every token at position 0,
@@ -161,7 +161,6 @@ class DecodeRows:
 
     state_slots: torch.Tensor
     real: torch.Tensor
-    tokens: int = 1
 
 
 @dataclass

@@ -88,7 +88,7 @@ class FixedStep:
             input_ids=self.ids, positions=positions, cu_seqlens=list(range(0, n * q + 1, q)),
             context_lens=[0] * n, window_tables=self.tables["window"],
             csa_tables=self.tables["csa"], hca_tables=self.tables["hca"], state_slots=[0] * n,
-            seq=self.seq, decode=DecodeRows(self.meta[1][self.seq], real != 0, q))
+            seq=self.seq, decode=DecodeRows(self.meta[1][self.seq], real != 0))
 
 
 def _table(t) -> torch.Tensor:
