@@ -175,7 +175,8 @@ class ModelRunner:
         """speculative (a SpeculativeConfig): keep the per-slot speculative state on the device
         (`slots` sequences of up to `max_len` positions), so rounds can be pipelined."""
         self.net, self.caches, self.device = net, caches, device
-        self.spec_state = (SpeculativeState(slots, max_len, speculative, device)
+        self.spec_state = (SpeculativeState(slots, max_len, speculative, device,
+                                            fixed_shapes=decode_graphs)
                            if speculative is not None else None)
         self.graphs = DecodeGraphs(net, caches, device) if decode_graphs else None
         self.cuda = device.type == "cuda"
