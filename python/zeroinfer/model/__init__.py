@@ -20,13 +20,15 @@ DUMMY_PREFIX = "dummy"
 
 def load(model: str | Path, *, dtype: torch.dtype = torch.float32,
          device: torch.device | str = "cpu", seed: int = 0,
-         ep: ExpertParallel | None = None) -> Model:
+         ep: ExpertParallel | None = None, mtp: bool = False) -> Model:
     """Load a checkpoint directory (config.json + safetensors) or a dummy model.
 
     `model` is a path, or "dummy" / "dummy:<name>" (names in zeroinfer.model.dummy.DUMMY_CONFIGS;
     plain "dummy" is "dummy:tiny") whose weights are made on the fly from `seed`.
     ep: this rank's part in expert parallelism (zeroinfer.parallel.ExpertParallel, made for
     this model's layer and expert counts): only its slots' routed experts are kept.
+    mtp: also load the multi-token-prediction modules (`mtp.*`, speculative decoding's drafter;
+    the checkpoint must have config.num_nextn_predict_layers of them); skipped otherwise.
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"load: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
@@ -35,10 +37,15 @@ def load(model: str | Path, *, dtype: torch.dtype = torch.float32,
     config = model_config(name)
     if ep is not None and ep.device != device:
         raise ValueError(f"load: the ExpertParallel is on {ep.device}, the model on {device}")
+    if mtp and not config.num_nextn_predict_layers:
+        raise ValueError(f"load: {name} has no MTP modules (config num_nextn_predict_layers "
+                         f"is 0); the MTP drafter needs them")
     if _is_dummy(name):
         from zeroinfer.model.dummy import random_state_dict
 
         tensors = iter(random_state_dict(config, seed).items())
+        if not mtp:
+            tensors = ((k, v) for k, v in tensors if not k.startswith("mtp."))
         if ep is not None:  # made whole (from the seed), then cut to this rank's slots
             from zeroinfer.parallel import local_expert_tensors
 
@@ -47,10 +54,10 @@ def load(model: str | Path, *, dtype: torch.dtype = torch.float32,
         from zeroinfer.model.weights import iter_checkpoint
 
         # An EP rank reads only its own slots' routed experts from the files.
-        tensors = iter_checkpoint(name, config,
+        tensors = iter_checkpoint(name, config, mtp=mtp,
                                   experts=None if ep is None else _local_experts(ep, config))
     with torch.device("meta"):
-        net = DeepseekV4ForCausalLM(config, dtype, ep)
+        net = DeepseekV4ForCausalLM(config, dtype, ep, mtp=mtp)
     net = net.to_empty(device=device)
     fill_parameters(net, tensors, source=name)
     if device.type == "cuda":  # repack the MXFP4 experts for the CUDA kernel once, at load

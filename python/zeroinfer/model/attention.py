@@ -373,7 +373,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         c = config
-        self.config, self.kind = c, c.layer_types[layer]
+        self.config, self.kind = c, c.layer_kind(layer)
         self.table = "main" if self.kind == SLIDING else "compress"
         H, d = c.num_attention_heads, c.head_dim
         self.q_a_proj = dense(c.hidden_size, c.q_lora_rank, dtype)

@@ -90,7 +90,7 @@ class LayerCache:
 
     def __init__(self, config: ModelConfig, layer: int, spec: CacheSpec, dtype: torch.dtype,
                  device: torch.device) -> None:
-        d, kind = config.head_dim, config.layer_types[layer]
+        d, kind = config.head_dim, config.layer_kind(layer)
         kw = dict(dtype=dtype, device=device)
         self.kind = kind
         self.window = kv_pool(spec.num_window_blocks + 1, spec.window_block_size, d, dtype, device,
@@ -144,9 +144,12 @@ class CompressorState:
 
 
 def allocate_caches(config: ModelConfig, spec: CacheSpec, dtype: torch.dtype,
-                    device: torch.device | str) -> list[LayerCache]:
+                    device: torch.device | str, *, mtp: int = 0) -> list[LayerCache]:
+    """One LayerCache a main layer, then one for each of the first `mtp` MTP modules (sliding
+    window: their blocks index the same window tables as the main layers')."""
     device = torch.device(device)
-    return [LayerCache(config, i, spec, dtype, device) for i in range(config.num_hidden_layers)]
+    return [LayerCache(config, i, spec, dtype, device)
+            for i in range(config.num_hidden_layers + mtp)]
 
 
 @dataclass

@@ -73,6 +73,10 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_id: tuple[int, ...] = (1,)
     expert_dtype: str = "fp4"  # how routed experts are stored: "fp4" (MXFP4) or "dense"
+    # Multi-token-prediction modules (native `mtp.{i}.*`, HF ignores them): each a V4 block of
+    # its own (sliding-window attention: compress ratio 0; a learned router) between the
+    # projections of the next token's embedding and the last layer's streams, and a head.
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -98,10 +102,22 @@ class ModelConfig:
                       "(MXFP4 scale blocks)")
         if self.expert_dtype not in ("fp4", "dense"):
             raise bad("expert_dtype", f"must be 'fp4' or 'dense', got {self.expert_dtype!r}")
+        if self.num_nextn_predict_layers < 0:
+            raise bad("num_nextn_predict_layers", f"must be >= 0, got {self.num_nextn_predict_layers}")
+
+    def layer_kind(self, layer: int) -> str:
+        """A block's attention type; blocks num_hidden_layers.. are the MTP modules' (sliding:
+        DeepSeek's reference gives the next-n layers compress ratio 0)."""
+        return self.layer_types[layer] if layer < self.num_hidden_layers else SLIDING
+
+    def mlp_kind(self, layer: int) -> str:
+        """A block's MoE router type; the MTP modules' is learned (they are past the hash
+        layers)."""
+        return self.mlp_layer_types[layer] if layer < self.num_hidden_layers else MOE
 
     def rate(self, layer: int) -> int:
         """Compression rate of a layer (0 for sliding-only layers)."""
-        t = self.layer_types[layer]
+        t = self.layer_kind(layer)
         return {SLIDING: 0, CSA: self.csa_rate, HCA: self.hca_rate}[t]
 
     @classmethod
@@ -159,7 +175,8 @@ class ModelConfig:
             "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
             "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
             "routed_scaling_factor", "swiglu_limit", "rms_norm_eps", "hc_mult",
-            "hc_sinkhorn_iters", "hc_eps", "bos_token_id") if k in d and k in known}
+            "hc_sinkhorn_iters", "hc_eps", "bos_token_id", "num_nextn_predict_layers")
+            if k in d and k in known}
         return cls(
             **simple,
             num_hidden_layers=n,
@@ -205,7 +222,7 @@ class ModelConfig:
                 "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts",
                 "num_experts_per_tok", "moe_intermediate_size", "routed_scaling_factor",
                 "swiglu_limit", "rms_norm_eps", "rope_theta", "compress_rope_theta", "hc_mult",
-                "hc_sinkhorn_iters", "hc_eps", "bos_token_id")},
+                "hc_sinkhorn_iters", "hc_eps", "bos_token_id", "num_nextn_predict_layers")},
             "num_key_value_heads": 1,
             "partial_rotary_factor": self.qk_rope_head_dim / self.head_dim,
             "compress_rates": {CSA: self.csa_rate, HCA: self.hca_rate},

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroinfer.model.attention import Attention, NormWeight
+from zeroinfer.model.attention import Attention, NormWeight, dense
 from zeroinfer.model.cache import ForwardBatch, LayerCache
 from zeroinfer.model.config import ModelConfig
 from zeroinfer.model.linear import Linear
@@ -48,6 +48,46 @@ class DecoderLayer(nn.Module):
         return HyperConnection.mix(streams, f, post, comb)
 
 
+class MTPLayer(nn.Module):
+    """One multi-token-prediction module (DeepSeek's reference `MTPBlock`, native `mtp.{i}.*`):
+    at position t it reads the main model's last streams there and the embedding of token t + 1,
+    and its logits predict token t + 2. Its block is a V4 decoder layer numbered past the main
+    ones (config.layer_kind: sliding-window attention over a cache of its own, a learned
+    router); the embedding and the LM head are the main model's.
+
+        x = e_proj(enorm(embed(next_ids))) (to every stream) + h_proj(hnorm(streams))
+        x = block(x);  logits = head(norm(hc_head(x)))
+
+    Chained drafting feeds x (the block's output streams) back as the next step's streams."""
+
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.eps = c.rms_norm_eps
+        self.enorm = NormWeight(c.hidden_size)
+        self.hnorm = NormWeight(c.hidden_size)
+        self.e_proj = dense(c.hidden_size, c.hidden_size, dtype)
+        self.h_proj = dense(c.hidden_size, c.hidden_size, dtype)
+        self.block = DecoderLayer(c, c.num_hidden_layers + index, dtype)
+        self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
+        self.norm = NormWeight(c.hidden_size)
+
+    def forward(self, streams: torch.Tensor, embedded: torch.Tensor, batch: ForwardBatch,
+                cache: LayerCache, rope: RopeTables) -> torch.Tensor:
+        """streams [T, N, D] (the main model's last, or this module's from the step before)
+        and embedded [T, D] (the next tokens' embeddings) at batch's positions -> the block's
+        output streams [T, N, D]."""
+        T, N, D = streams.shape
+        e = self.e_proj(rms_norm(embedded, self.enorm.weight, self.eps))
+        h = self.h_proj(rms_norm(streams.reshape(T * N, D), self.hnorm.weight, self.eps))
+        x = h.view(T, N, D) + e.unsqueeze(1)
+        return self.block(x, batch, cache, rope)
+
+    def hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The head's input [T, D]: the streams collapsed, then normed."""
+        return rms_norm(self.hc_head(streams), self.norm.weight, self.eps)
+
+
 class DeepseekV4Model(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  ep: ExpertParallel | None = None) -> None:
@@ -62,13 +102,21 @@ class DeepseekV4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 ep: ExpertParallel | None = None) -> None:
+                 ep: ExpertParallel | None = None, *, mtp: bool = False) -> None:
         """ep: this rank's part in expert parallelism (zeroinfer.parallel); the routed experts
-        are then its slots, and every forward is a collective of the group."""
+        are then its slots, and every forward is a collective of the group. mtp: build the
+        config's multi-token-prediction modules (the drafter of speculative decoding; not with
+        ep: their experts would have to be whole on every rank)."""
         super().__init__()
+        if mtp and ep is not None:
+            raise ValueError("DeepseekV4ForCausalLM: the MTP modules are not supported with "
+                             "expert parallelism yet")
         self.config, self.dtype, self.ep = config, dtype, ep
         self.model = DeepseekV4Model(config, dtype, ep)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+        # (registered last: the state dict lists the main model's tensors first)
+        self.mtp = nn.ModuleList(MTPLayer(config, i, dtype)
+                                 for i in range(config.num_nextn_predict_layers if mtp else 0))
         self._rope: RopeTables | None = None
 
     def rope(self, device: torch.device) -> RopeTables:
@@ -78,18 +126,40 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, caches: list[LayerCache],
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [T, V] (or only for the token rows `logits_rows`), float32."""
+                logits_rows: torch.Tensor | None = None, *, streams_out: list | None = None
+                ) -> torch.Tensor:
+        """Logits [T, V] (or only for the token rows `logits_rows`), float32. caches: one a
+        main layer (any after them, the MTP modules', are not read here). streams_out: a list
+        the last layer's streams [T, N, D] of every token are appended to (the MTP modules'
+        input)."""
         m, c = self.model, self.config
         x = m.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         rope = self.rope(x.device)
         for layer, cache in zip(m.layers, caches):
             streams = layer(streams, batch, cache, rope)
+        if streams_out is not None:
+            streams_out.append(streams)
         if logits_rows is not None:
             streams = streams[logits_rows]
         h = rms_norm(m.hc_head(streams), m.norm.weight, c.rms_norm_eps)
         return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
+                    cache: LayerCache, logits_rows: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first MTP module over batch's tokens: streams [T, N, D] at batch's positions
+        (the main model's last, or the module's own from a chained step), next_ids [T] the
+        tokens one position on; cache: the module's. Returns (logits [T, V] float32 - or of the
+        rows `logits_rows` - predicting two positions on, the output streams [T, N, D])."""
+        if not len(self.mtp):
+            raise RuntimeError("mtp_forward: the model was built without its MTP modules")
+        mtp = self.mtp[0]
+        out = mtp(streams, self.model.embed_tokens(next_ids), batch, cache,
+                  self.rope(streams.device))
+        rows = out if logits_rows is None else out[logits_rows]
+        return self.lm_head(mtp.hidden(rows)).float(), out
 
     @torch.inference_mode()
     def idle_forward(self) -> None:

@@ -16,7 +16,7 @@ from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 _SMALL = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, q_lora_rank=32, o_groups=2,
               o_lora_rank=32, index_n_heads=8, index_head_dim=128, n_routed_experts=8,
               num_experts_per_tok=2, moe_intermediate_size=64, hc_mult=4, bos_token_id=0,
-              eos_token_id=(1,))
+              eos_token_id=(1,), num_nextn_predict_layers=1)
 
 DUMMY_CONFIGS: dict[str, ModelConfig] = {
     # the embedded default: all three attention types and both MoE kinds, and the real V4
@@ -44,9 +44,11 @@ def _random_mxfp4(gen: torch.Generator, *shape_nk: int, fan_in: int):
 
 
 def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded random weights for every tensor of the graph (float32 / uint8 / int64)."""
+    """Seeded random weights for every tensor of the graph (float32 / uint8 / int64), the MTP
+    modules' last (so the main model's do not depend on them)."""
     gen = torch.Generator().manual_seed(seed)
-    net = DeepseekV4ForCausalLM(config, torch.float32)
+    with torch.device("meta"):
+        net = DeepseekV4ForCausalLM(config, torch.float32, mtp=True)
     out: dict[str, torch.Tensor] = {}
     c = config
     for name, t in net.state_dict().items():

@@ -122,7 +122,7 @@ class MoE(nn.Module):
                  ep: ExpertParallel | None = None) -> None:
         super().__init__()
         self.config, self.layer, self.ep = config, layer, ep
-        self.gate = Router(config, config.mlp_layer_types[layer] == HASH_MOE, dtype)
+        self.gate = Router(config, config.mlp_kind(layer) == HASH_MOE, dtype)
         self.experts = Experts(config, ep.slots if ep is not None else None)
         self.shared_experts = SharedExpert(config, dtype)
         # The router's logits and the shared expert's gate / up: one GEMM of the input.

@@ -16,7 +16,10 @@ Formats understood per tensor (a tensor is quantized iff a sibling scale exists)
     UE8M0 -> stacked into our packed gate_up_*/down_* buffers unchanged. Experts given as FP8 or
     dense floats (per expert, or HF's stacked gate_up_proj [E,2I,D] / down_proj [E,D,I]) are
     re-quantized to MXFP4, which must reproduce them exactly.
-  * `mtp.*` tensors are ignored.
+  * `mtp.{i}.*` (the multi-token-prediction modules) are read only when asked for (mtp=True):
+    the block's tensors are named as a layer's (`mtp.0.attn.wq_a.weight` as `layers.N.attn...`),
+    plus the module's own e_proj / h_proj (FP8), enorm / hnorm / norm and hc_head_*; otherwise
+    they are ignored, as HF does.
 
 Writing (`save_checkpoint`) produces the real V4-Flash layout (native names, FP8 linears with
 UE8M0 scales, MXFP4 experts, BF16 embed/head/router/compressor, FP32 small tensors), or HF's
@@ -111,20 +114,53 @@ _TO_NATIVE = [(re.compile(p), r) for p, r in [
 ]]
 
 _MTP = re.compile(r"(^|\.)mtp\.")
+# A checkpoint's MTP name: (module index, the rest); the rest is the module's own tensor or its
+# block's, named as a layer's. Ours: mtp.{i}.<own> and mtp.{i}.block.<a layer's name>. While
+# planning a read or a write, the block's tensors go by a "virtual" layer number past the main
+# ones (num_hidden_layers + i), so the layers' rules (names, experts, FP8) apply unchanged.
+_MTP_NAME = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
+_MTP_OWN = re.compile(r"^(?:(?:e_proj|h_proj)\.(?:weight|scale)|(?:enorm|hnorm|norm)\.weight"
+                      r"|hc_head_(?:fn|base|scale))$")
+_OUR_MTP_BLOCK = re.compile(r"^mtp\.(\d+)\.block\.(.+)$")
+_VIRTUAL_LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
 _NATIVE_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(w[123])\.weight$")
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj$")
 # Our stacked routed-expert buffers (one per layer and kind), all E experts along dim 0.
 EXPERT_BUFFER = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_(blocks|scales)$")
+_FP8_MTP = re.compile(r"^mtp\.\d+\.(e_proj|h_proj)\.weight$")
 _FP8_NATIVE = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
                          r"|ffn\.shared_experts\.w[123])\.weight$")
 
 LAYOUTS = ("native", "hybrid", "hf")
 
 
-def to_hf_name(name: str) -> str | None:
-    """Any checkpoint name (HF-internal, native or hybrid) -> HF-internal name; None for mtp.*"""
+def virtual_name(name: str, layers: int) -> str:
+    """Our MTP block tensor mtp.{i}.block.X -> model.layers.{layers + i}.X (others unchanged)."""
+    m = _OUR_MTP_BLOCK.match(name)
+    return f"model.layers.{layers + int(m[1])}.{m[2]}" if m else name
+
+
+def real_name(name: str, layers: int) -> str:
+    """virtual_name's inverse: model.layers.{n}.X with n >= layers -> mtp.{n - layers}.block.X."""
+    m = _VIRTUAL_LAYER.match(name)
+    if m and m[1] and int(m[2]) >= layers:
+        return f"mtp.{int(m[2]) - layers}.block.{m[3]}"
+    return name
+
+
+def to_hf_name(name: str, layers: int | None = None) -> str | None:
+    """Any checkpoint name (HF-internal, native or hybrid) -> HF-internal name. mtp.*: None,
+    unless `layers` (the main layer count) is given: then the MTP module's own tensors get our
+    names (mtp.{i}.e_proj.weight, mtp.{i}.hc_head.hc_fn, ...) and its block's the virtual layer
+    layers + i's (see virtual_name)."""
     if _MTP.search(name):
-        return None
+        m = _MTP_NAME.match(name)
+        if layers is None or m is None:
+            return None
+        i, rest = int(m[1]), m[2]
+        if _MTP_OWN.match(rest):
+            return f"mtp.{i}." + re.sub(r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1", rest)
+        return to_hf_name(f"layers.{layers + i}.{rest}")
     n = name[len("model."):] if name.startswith("model.") else name
     for pat, rep in _TO_HF:
         n = pat.sub(rep, n)
@@ -387,12 +423,13 @@ class _Recipe:
     experts: dict = field(default_factory=dict)  # experts_native: (e, w) -> (key, scale, fmt)
 
 
-def _expected(config: ModelConfig) -> dict[str, torch.Tensor]:
+def _expected(config: ModelConfig, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter the model has, by name (the MTP blocks' by their virtual layer names)."""
     from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 
     with torch.device("meta"):
-        net = DeepseekV4ForCausalLM(config)
-    return dict(net.state_dict())
+        net = DeepseekV4ForCausalLM(config, mtp=mtp)
+    return {virtual_name(k, config.num_hidden_layers): v for k, v in net.state_dict().items()}
 
 
 def _expert_format(files: _Files, key: str, scale: str | None, shape: tuple[int, ...]) -> str:
@@ -448,25 +485,35 @@ def _check_fp8_scale(files: _Files, key: str, scale: str) -> None:
                          f"{FP8_BLOCK}x{FP8_BLOCK} tile of {key!r} {e.shape})")
 
 
-def _plan(files: _Files, config: ModelConfig, params: dict[str, torch.Tensor]) -> list[_Recipe]:
+def _plan(files: _Files, config: ModelConfig, params: dict[str, torch.Tensor],
+          mtp: bool = False) -> list[_Recipe]:
     keys = files.entries
     layout = files.layout()
     c = config
     E, D, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+    L = c.num_hidden_layers
+    blocks = L + (c.num_nextn_predict_layers if mtp else 0)  # main layers, then MTP blocks
+
+    def skip(k: str) -> bool:  # (mtp.* unless asked for, and then only the config's modules)
+        m = _MTP_NAME.match(k)
+        return bool(_MTP.search(k)) and not (mtp and m and int(m[1]) < blocks - L)
+
+    def hf_name(k: str) -> str | None:
+        return to_hf_name(k, L if mtp else None)
 
     # 1. pair weights with their scales
     scale_of: dict[str, str] = {}
     orphans: set[str] = set()
     problems: list[str] = []
     for k in keys:
-        if _MTP.search(k):
+        if skip(k):
             continue
         w = None
         if k.endswith(".weight_scale_inv"):
             w = k[: -len("_scale_inv")]
         elif k.endswith(".scale"):
             w = k[: -len(".scale")] + ".weight"
-            if w not in keys and to_hf_name(k) in params:
+            if w not in keys and hf_name(k) in params:
                 w = None  # an mHC .scale parameter of the HF-internal layout, not a scale
         elif k.endswith("_scale_inv") and k[: -len("_scale_inv")] in keys:
             w = k[: -len("_scale_inv")]
@@ -487,15 +534,15 @@ def _plan(files: _Files, config: ModelConfig, params: dict[str, torch.Tensor]) -
     native_experts: dict[int, dict[tuple[int, str], str]] = {}
     unknown: list[str] = []
     for k, ent in keys.items():
-        if k in scales or _MTP.search(k):
+        if k in scales or skip(k):
             continue
-        hf = to_hf_name(k)
+        hf = hf_name(k)
         m = _NATIVE_EXPERT.match(hf)
-        if m and int(m[1]) < c.num_hidden_layers and int(m[2]) < E:
+        if m and int(m[1]) < blocks and int(m[2]) < E:
             native_experts.setdefault(int(m[1]), {})[(int(m[2]), m[3])] = k
             continue
         m = _HF_EXPERT.match(hf)
-        if m and int(m[1]) < c.num_hidden_layers:
+        if m and int(m[1]) < blocks:
             base = f"model.layers.{m[1]}.mlp.experts.{m[2]}"
             recipes.append(_Recipe("experts_hf", [base + "_blocks", base + "_scales"], [k], key=k,
                                    scale=scale_of.get(k), layer=int(m[1]), proj=m[2]))
@@ -544,7 +591,7 @@ def _plan(files: _Files, config: ModelConfig, params: dict[str, torch.Tensor]) -
             owner[t] = src
     missing = [t for t in params if t not in owner]
     if missing:
-        names = [_display(t, layout) for t in missing]
+        names = [_display(t, layout, L) for t in missing]
         raise ValueError(f"{files.path}: missing tensor(s) {names[:8]}"
                          + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
     for r in recipes:
@@ -556,8 +603,25 @@ def _plan(files: _Files, config: ModelConfig, params: dict[str, torch.Tensor]) -
     return recipes
 
 
-def _display(target: str, layout: str) -> str:
+def mtp_native_name(name: str, layers: int) -> str:
+    """A native-layout name (of a layer's, or an MTP module's own tensor under our name) with
+    the virtual layers past `layers` renamed as the MTP modules they are: layers.{layers + i}.X
+    -> mtp.{i}.X, mtp.{i}.hc_head.hc_fn -> mtp.{i}.hc_head_fn."""
+    name = re.sub(r"^(mtp\.\d+\.)hc_head\.hc_(fn|base|scale)$", r"\1hc_head_\2", name)
+    m = _VIRTUAL_LAYER.match(name)
+    if m and not m[1] and int(m[2]) >= layers:
+        return f"mtp.{int(m[2]) - layers}.{m[3]}"
+    return name
+
+
+def _display(target: str, layout: str, layers: int) -> str:
     """How a parameter of ours would be named in a checkpoint of `layout`."""
+    real = real_name(target, layers)
+    if real.startswith("mtp."):  # (the MTP modules are only in the native layout)
+        m = EXPERT_BUFFER.match(target)
+        native = (expert_name("native", int(m[1]), 0, "w1").replace("experts.0.w1.", "experts.*.")
+                  if m else target if target.startswith("mtp.") else from_hf_name(target, "native"))
+        return f"{mtp_native_name(native, layers)} (our {real})"
     m = EXPERT_BUFFER.match(target)
     if m:
         if layout == "hf":
@@ -659,13 +723,14 @@ def _read_expert(files: _Files, key: str, scale: str | None, fmt: str,
     return _requantize_exact(w, key)
 
 
-def iter_checkpoint(path, config: ModelConfig | None = None, *,
+def iter_checkpoint(path, config: ModelConfig | None = None, *, mtp: bool = False,
                     experts: torch.Tensor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (our parameter name, tensor) for every parameter of the model, reading the
     checkpoint directory `path` tensor by tensor. The whole checkpoint is validated from the
     safetensors headers before the first tensor is read. Raises FileNotFoundError / ValueError /
     TypeError naming the offending file or tensor.
 
+    mtp: read the config's MTP modules too (they must all be there); skipped otherwise.
     experts: [num_hidden_layers, S] integer tensor, the logical routed expert of each of S slots
     a layer (an expert-parallel rank's: ExpertParallel.local_experts()). The expert buffers then
     hold those S experts in that order, and no other expert's bytes are read from the files."""
@@ -673,9 +738,12 @@ def iter_checkpoint(path, config: ModelConfig | None = None, *,
     if config is None:
         config = ModelConfig.from_pretrained(path)
     files = _Files(path)
-    params = _expected(config)
+    if mtp and experts is not None:
+        raise ValueError("iter_checkpoint: the MTP modules are not read for an expert-parallel "
+                         "rank (experts=)")
+    params = _expected(config, mtp)
     slots = _expert_slots(experts, config)
-    recipes = _plan(files, config, params)  # (checks the files' shapes: all E experts)
+    recipes = _plan(files, config, params, mtp)  # (checks the files' shapes: all E experts)
     if slots is not None:  # what comes out: S slots
         for name, t in params.items():
             if EXPERT_BUFFER.match(name):
@@ -694,7 +762,7 @@ def iter_checkpoint(path, config: ModelConfig | None = None, *,
                 raise ValueError(f"{path}: {name!r} came out with shape {tuple(t.shape)}, "
                                  f"expected {tuple(want.shape)}")
             done.add(name)
-            yield name, t
+            yield real_name(name, config.num_hidden_layers), t
     missing = [n for n in params if n not in done]
     if missing:
         raise ValueError(f"{path}: missing tensor(s) {missing[:8]}")
@@ -741,21 +809,31 @@ def _dequantize_packed(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tens
 
 def _native_tensors(state, config: ModelConfig, layout: str, fp8: bool):
     """(name, tensor) pairs of the native (or hybrid) layout, one at a time."""
-    I = config.moe_intermediate_size
+    I, L = config.moe_intermediate_size, config.num_hidden_layers
     for name, t in state.items():
         t = t.detach().cpu()
+        # The MTP modules' tensors: native names in either layout (HF has none of its own);
+        # their block's through the layers' rules, by its virtual layer number.
+        is_mtp = name.startswith("mtp.")
+        lay = "native" if is_mtp else layout
+        name = virtual_name(name, L)
+
+        def rename(n: str) -> str:
+            return mtp_native_name(n, L) if is_mtp else n
+
         m = EXPERT_BUFFER.match(name)
         if m:
             if m[3] == "scales":
                 continue
             layer, proj = int(m[1]), m[2]
             blocks = t.view(torch.uint8)
-            scales = state[name[: -len("blocks")] + "scales"].detach().cpu().view(torch.uint8)
+            scales = state[real_name(name[: -len("blocks")] + "scales", L)].detach().cpu().view(
+                torch.uint8)
             parts = ([("w1", slice(0, I)), ("w3", slice(I, 2 * I))] if proj == "gate_up"
                      else [("w2", slice(None))])
             for e in range(blocks.shape[0]):
                 for w, rows in parts:
-                    n = expert_name(layout, layer, e, w)
+                    n = rename(expert_name(lay, layer, e, w))
                     b, s = blocks[e, rows].contiguous(), scales[e, rows].contiguous()
                     if fp8:
                         yield n, b.view(torch.int8)
@@ -763,13 +841,13 @@ def _native_tensors(state, config: ModelConfig, layout: str, fp8: bool):
                     else:
                         yield n, _dequantize_packed(b, s)
             continue
-        native = from_hf_name(name, "native")
-        out = from_hf_name(name, layout)
+        native = rename(from_hf_name(name, "native"))
+        out = rename(from_hf_name(name, lay))
         if not t.is_floating_point():
             yield out, t.to(torch.int64)
         elif not fp8:
             yield out, t.to(torch.float32)
-        elif _FP8_NATIVE.match(native):
+        elif _FP8_NATIVE.match(from_hf_name(name, "native")) or _FP8_MTP.match(native):
             q, s = quantize_fp8(t)
             yield out, q
             yield out[: -len(".weight")] + ".scale", s
@@ -781,6 +859,8 @@ def _native_tensors(state, config: ModelConfig, layout: str, fp8: bool):
 
 def _hf_tensors(state):
     for name, t in state.items():
+        if name.startswith("mtp."):  # (HF's layout has no MTP modules)
+            continue
         t = t.detach().cpu()
         m = EXPERT_BUFFER.match(name)
         if m:

@@ -22,7 +22,7 @@ def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our names -> HF-internal names (identical but for the packed experts)."""
     out = {}
     for name, t in state.items():
-        if name.endswith("_scales"):
+        if name.endswith("_scales") or name.startswith("mtp."):  # (HF has no MTP modules)
             continue
         if name.endswith("experts.gate_up_blocks") or name.endswith("experts.down_blocks"):
             base = name[: -len("_blocks")]
