@@ -9,6 +9,10 @@ Rows per batch size:
   ngram      n-gram (prompt lookup) drafts. A random-weight model's text does not repeat its
              context, so they are seldom accepted: this row is the cost of drafting and of
              verification rounds that gain nothing;
+  mtp        drafts from the model's MTP module (its greedy chain, run on the device after
+             every round's draws). The dummy module's weights are random, so its drafts are
+             seldom right: this row is the module's cost (its pass over every round's tokens
+             and its chain of d - 1 steps) with verification rounds that gain little;
   oracle@a   drafts from plain decoding's own output, each right with probability a
              (zeroinfer.testing.drafts.FutureDrafter): the engine's speculative path at a
              known acceptance rate, as a real drafter would drive it.
@@ -49,7 +53,7 @@ def _pass(model, prompts, params, spec, drafter, futures, rng, graphs=None
     """One timed pass of the workload on a fresh engine after an untimed one (graph captures):
     returns (decode seconds, outputs, engine)."""
     b = len(prompts)
-    cfg = EngineConfig(max_num_seqs=b, max_model_len=len(prompts[0]) + params.max_tokens + 8,
+    cfg = EngineConfig(max_num_seqs=b, max_model_len=len(prompts[0]) + params.max_tokens + 16,
                        max_num_batched_tokens=b * len(prompts[0]), speculative=spec,
                        decode_graphs=graphs)
     eng = LLMEngine(model, cfg, seed=0)
@@ -58,7 +62,7 @@ def _pass(model, prompts, params, spec, drafter, futures, rng, graphs=None
         right = float(drafter.split("@")[1]) if drafter.startswith("oracle") else None
         if right is not None:  # (the host's drafter, for synchronous rounds)
             for r, f in zip(reqs, futures):
-                r.ngram = FutureDrafter(f, rng, 1 - right, model.config.vocab_size, full=True)
+                r.drafter = FutureDrafter(f, rng, 1 - right, model.config.vocab_size, full=True)
         eng.step()  # the prefill round (every prompt admitted: the slots are known now)
         if right is not None and eng.spec_pipelined:  # (the device's, for pipelined rounds)
             draft_on_device_by_slot(eng, {r.slot: r.prompt_ids + f for r, f in zip(reqs, futures)},
@@ -102,7 +106,7 @@ def main() -> None:
     batches = [int(s) for s in (a.batch_sizes or ("1,8,32" if cuda else "1,8")).split(",")]
     drafts = [int(s) for s in a.drafts.split(",")]
     model = load(MODEL, dtype=torch.bfloat16 if cuda else torch.float32,
-                 device="cuda" if cuda else "cpu")
+                 device="cuda" if cuda else "cpu", mtp=True)  # (unused but by the mtp rows)
     V = model.config.vocab_size
     params = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0)
     rows, failures = [], []
@@ -122,9 +126,9 @@ def main() -> None:
                      "fraction_of_ideal": 1.0, **base_host})
         print(rows[-1], flush=True)
         for d in drafts:
-            for drafter in ("ngram", "oracle@1.0", "oracle@0.7"):
-                wall, out, eng = _pass(model, prompts, params, SpeculativeConfig(d), drafter,
-                                       plain, rng, graphs)
+            for drafter in ("ngram", "mtp", "oracle@1.0", "oracle@0.7"):
+                spec = SpeculativeConfig(d, method="mtp" if drafter == "mtp" else "ngram")
+                wall, out, eng = _pass(model, prompts, params, spec, drafter, plain, rng, graphs)
                 if out != plain:
                     failures.append(f"batch {b} d {d} {drafter}: tokens differ from plain")
                 s = eng.scheduler

@@ -118,7 +118,8 @@ def test_fp8_kv_cache_option():
 def test_cli_generate_prints_jsonl():
     outs = []
     # (--eager: no CUDA graphs, on the CPU the same path; speculative decoding: the same tokens)
-    for flags in ([], ["--eager"], ["--speculative-tokens", "3"]):
+    for flags in ([], ["--eager"], ["--speculative-tokens", "3"],
+                  ["--speculative-tokens", "2", "--speculative-method", "mtp"]):
         out = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "Hello", "Bonjour",
                               "--max-tokens", "3", "--ignore-eos", "--quiet", *flags],
                              capture_output=True, text=True, check=True, timeout=300).stdout
@@ -130,7 +131,7 @@ def test_cli_generate_prints_jsonl():
     rows = outs[0]
     assert [r["prompt"] for r in rows] == ["Hello", "Bonjour"]
     assert all(len(r["token_ids"]) == 3 and r["finish_reason"] == "length" for r in rows)
-    assert outs[1] == rows and outs[2] == rows
+    assert outs[1] == rows and outs[2] == rows and outs[3] == rows
 
 
 def test_cli_rejects_bad_input():

@@ -164,7 +164,7 @@ def test_constrained_drafts_keep_plain_tokens(llms, gen):
 
     def add_with_drafter(ids, p, **k):
         req = add(ids, p, **k)
-        req.ngram = FutureDrafter(futures[tuple(ids)], rng, 0.3, llm.model.config.vocab_size)
+        req.drafter = FutureDrafter(futures[tuple(ids)], rng, 0.3, llm.model.config.vocab_size)
         return req
 
     llm.engine.add_request = add_with_drafter

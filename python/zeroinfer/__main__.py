@@ -31,8 +31,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "(0: never), from the load of the last --eplb-window rounds")
     p.add_argument("--eplb-window", type=int, default=100)
     p.add_argument("--speculative-tokens", type=int, default=0,
-                   help="speculative decoding: verify up to this many n-gram (prompt lookup) "
-                        "drafts a decode row (0: off)")
+                   help="speculative decoding: verify up to this many drafts a decode row "
+                        "(0: off)")
+    p.add_argument("--speculative-method", default="ngram", choices=["ngram", "mtp"],
+                   help="the drafter: n-gram prompt lookup, or the model's MTP module")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +71,7 @@ def _speculative(a):
         return None
     from zeroinfer import SpeculativeConfig
 
-    return SpeculativeConfig(num_draft_tokens=a.speculative_tokens)
+    return SpeculativeConfig(num_draft_tokens=a.speculative_tokens, method=a.speculative_method)
 
 
 def _output(o) -> dict:

@@ -49,9 +49,10 @@ class LLM:
     zeroinfer.model.model_config(model), ...)): this LLM is one rank of the group - it serves
     its own prompts and holds its slots of the routed experts; every rank calls generate (with
     its own prompts, possibly none) the same number of times.
-    speculative: a zeroinfer.SpeculativeConfig to verify n-gram drafts in decode rounds (the
-    same tokens, more of them a round where the text repeats itself; its rounds are pipelined
-    where decode graphs are on, synchronous otherwise).
+    speculative: a zeroinfer.SpeculativeConfig to verify drafts in decode rounds (the same
+    tokens, more of them a round where the drafts are right): n-gram (prompt lookup) drafts,
+    or with method="mtp" the model's own MTP module's (loaded from the checkpoint's `mtp.*`).
+    Its rounds are pipelined where decode graphs are on, synchronous otherwise.
     """
 
     def __init__(self, model: str = "dummy", *, dtype: str | torch.dtype = "auto",
@@ -67,7 +68,8 @@ class LLM:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         elif isinstance(dtype, str):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, dtype)
-        self.model = load(model, dtype=dtype, device=dev, ep=ep)
+        mtp = speculative is not None and getattr(speculative, "method", None) == "mtp"
+        self.model = load(model, dtype=dtype, device=dev, ep=ep, mtp=mtp)
         if tokenizer == "auto":
             from zeroinfer.tokenizer import Tokenizer
 

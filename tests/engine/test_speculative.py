@@ -138,7 +138,7 @@ def _run(model, work, *, speculative=None, drafter=None, kv_tokens=2000, graphs=
     reqs = [eng.add_request(p, sp) for p, sp in work]
     if drafter == "future":  # (the host's drafter, and the device's of pipelined rounds)
         for r, f in zip(reqs, futures):
-            r.ngram = FutureDrafter(f, rng, 0.3, model.config.vocab_size)
+            r.drafter = FutureDrafter(f, rng, 0.3, model.config.vocab_size)
         if eng.spec_pipelined:
             draft_on_device_from(eng, reqs, futures, rng, 0.3)
     eng.drain()

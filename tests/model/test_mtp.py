@@ -39,7 +39,7 @@ def _hf_oracle(name: str, seed: int):
 
     cfg = DUMMY_CONFIGS[name]
     L = cfg.num_hidden_layers
-    state = random_state_dict(cfg, seed)
+    state = random_state_dict(cfg, seed, mtp=True)
     # the MTP block as HF's layer L (the layer numbering past the main ones, as our loader does)
     wide = dataclasses.replace(cfg, num_hidden_layers=L + 1, num_nextn_predict_layers=0,
                                layer_types=cfg.layer_types + (SLIDING,),

@@ -50,7 +50,7 @@ def _engine_worker(rank, world, seed, counts, async_scheduling, graphs, spec=Fal
 
         def add_with_drafter(ids, p, **k):
             req = add(ids, p, **k)
-            req.ngram = FutureDrafter(futures[tuple(ids)], rng, 0.3, cfg.vocab_size)
+            req.drafter = FutureDrafter(futures[tuple(ids)], rng, 0.3, cfg.vocab_size)
             return req
 
         llm.engine.add_request = add_with_drafter

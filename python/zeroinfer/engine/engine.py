@@ -30,7 +30,7 @@ from zeroinfer.engine.block_manager import BlockManager
 from zeroinfer.engine.request import Request
 from zeroinfer.engine.runner import ModelRunner, RoundHandle
 from zeroinfer.engine.scheduler import ScheduledBatch, Scheduler
-from zeroinfer.engine.speculative import NgramIndex, SpeculativeConfig
+from zeroinfer.engine.speculative import DeviceDrafts, NgramIndex, SpeculativeConfig
 from zeroinfer.model import Model
 from zeroinfer.model.cache import CacheSpec, allocate_caches
 from zeroinfer.model.config import CSA, HCA
@@ -88,22 +88,24 @@ class EngineConfig:
         return self.async_scheduling and self.speculative is None
 
 
-def kv_bytes_per_token(model: Model, kv_cache_dtype: str = "auto") -> dict[str, float]:
+def kv_bytes_per_token(model: Model, kv_cache_dtype: str = "auto",
+                       mtp: bool = False) -> dict[str, float]:
     """Cache bytes one token costs, per kind, over all layers (the layout's theoretical size).
     kv_cache_dtype "fp8": a K=V vector takes the V4 FP8 layout's 584 bytes (the indexer's keys
-    stay in the activation dtype)."""
+    stay in the activation dtype). mtp: with the MTP drafter's window cache."""
     c = model.config
     es = torch.finfo(model.net.dtype).bits // 8
     kv = kv_fp8.BYTES_PER_TOKEN if kv_cache_dtype == "fp8" else c.head_dim * es
     n_csa = sum(t == CSA for t in c.layer_types)
     n_hca = sum(t == HCA for t in c.layer_types)
-    return {"window": c.num_hidden_layers * kv,
+    return {"window": (c.num_hidden_layers + int(mtp)) * kv,
             "csa": n_csa * (kv + c.index_head_dim * es) / c.csa_rate,
             "hca": n_hca * kv / c.hca_rate}
 
 
 def cache_spec(model: Model, cfg: EngineConfig) -> CacheSpec:
-    per_tok = kv_bytes_per_token(model, cfg.kv_cache_dtype)
+    per_tok = kv_bytes_per_token(model, cfg.kv_cache_dtype, cfg.speculative is not None
+                                 and cfg.speculative.method == "mtp")
     c = model.config
     cdiv = lambda a, b: -(-a // b)  # noqa: E731
     if cfg.kv_cache_bytes is None:  # room for max_num_seqs sequences of max_model_len tokens
@@ -126,8 +128,16 @@ def cache_spec(model: Model, cfg: EngineConfig) -> CacheSpec:
 class LLMEngine:
     def __init__(self, model: Model, cfg: EngineConfig, *, seed: int = 0, tokenizer=None) -> None:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
+        if mtp and model.net.ep is not None:
+            raise ValueError("speculative method 'mtp' is not supported with expert parallelism "
+                             "yet (use 'ngram')")
+        if mtp and not len(model.net.mtp):
+            raise ValueError("speculative method 'mtp' needs the model's MTP modules: load it "
+                             "with zeroinfer.model.load(..., mtp=True)")
         self.spec = cache_spec(model, cfg)
-        caches = allocate_caches(model.config, self.spec, model.net.dtype, model.device)
+        caches = allocate_caches(model.config, self.spec, model.net.dtype, model.device,
+                                 mtp=int(mtp))
         self.blocks = BlockManager(model.config, self.spec)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -175,7 +185,8 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than max_model_len="
                              f"{self.cfg.max_model_len}")
         # (a speculative decode row holds blocks for its drafts' positions too)
-        longest = min(len(prompt_ids) + params.max_tokens + self.cfg.num_draft_tokens,
+        lookahead = 0 if self.cfg.speculative is None else self.cfg.speculative.lookahead
+        longest = min(len(prompt_ids) + params.max_tokens + lookahead,
                       self.cfg.max_model_len)
         if not self.blocks.can_grow({}, 0) or any(
                 k.blocks_for(longest) > k.num_blocks for k in self.blocks.kinds):
@@ -200,7 +211,8 @@ class LLMEngine:
             req.matcher = self._grammars().matcher(params.structured)
         if self.cfg.speculative is not None:
             spec = self.cfg.speculative
-            req.ngram = NgramIndex(req.prompt_ids, spec.min_ngram, spec.max_ngram)
+            req.drafter = (DeviceDrafts() if spec.method == "mtp"
+                           else NgramIndex(req.prompt_ids, spec.min_ngram, spec.max_ngram))
         self.requests[rid] = req
         self.scheduler.add(req)
         return req

@@ -46,7 +46,7 @@ class Request:
     matcher: object | None = None
     # speculative decoding's drafter (engine/speculative.NgramIndex) over the committed tokens;
     # None where the request does not speculate
-    ngram: object | None = None
+    drafter: object | None = None
     text: str = ""
 
     @property

@@ -22,6 +22,7 @@ from zeroinfer.engine.scheduler import RoundResult, ScheduledBatch
 from zeroinfer.engine.spec_state import SpeculativeState
 from zeroinfer.model.cache import ForwardBatch, LayerCache, host_tensor
 from zeroinfer.model.decode_graph import DecodeGraphs
+from zeroinfer.engine.mtp_drafter import MtpDrafter
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from zeroinfer.sampling.sampler import SamplingBatch, sample
 
@@ -94,8 +95,11 @@ class RoundHandle:
             rows = {i: row for i, row in enumerate(zip(
                 h["row_start"].tolist(), h["row_ids"].tolist(), h["row_drafts"].tolist(),
                 h["row_offered"].tolist()))}
+        drafts = {}
+        if "mtp_drafts" in h:  # the MTP drafter's, for each sampling row's next row
+            drafts = dict(zip(self.batch.sample_rows, h["mtp_drafts"].tolist()))
         return RoundResult(tokens=h["tokens"].tolist(), rows=rows, logprobs=h["logprob"].tolist(),
-                           top=top, prompt_logits=self.prompt_logits)
+                           top=top, prompt_logits=self.prompt_logits, drafts=drafts)
 
 
 @contextmanager
@@ -178,6 +182,10 @@ class ModelRunner:
         self.spec_state = (SpeculativeState(slots, max_len, speculative, device,
                                             fixed_shapes=decode_graphs)
                            if speculative is not None else None)
+        # the MTP drafter: its cache is the one past the main layers'
+        self.mtp = (MtpDrafter(net, caches[net.config.num_hidden_layers],
+                               speculative.num_draft_tokens)
+                    if speculative is not None and speculative.method == "mtp" else None)
         self.graphs = DecodeGraphs(net, caches, device) if decode_graphs else None
         self.cuda = device.type == "cuda"
         self.forbid_sync = forbid_sync and self.cuda
@@ -410,10 +418,12 @@ class ModelRunner:
                                      rows=host["graph"], tokens=q)
             host["pick"] = [i * q + j for i, r in enumerate(batch.rows)
                             for j in range(r.num_tokens)]
+            self._keep_mtp_input(host, q)
         elif host["graph"] is not None:
             # a decode round: one token a row, each sampled (model/decode_graph.py)
             logits = self.graphs.run(input_ids, host["ctx"], host["slots"], host["tables"],
                                      rows=host["graph"])
+            self._keep_mtp_input(host, 1)
         else:  # every round runs the forward: prompt chunks that sample nothing fill the caches
             fb = ForwardBatch(
                 input_ids=input_ids.to(i64), positions=positions.to(i64), cu_seqlens=host["cu"],
@@ -423,9 +433,19 @@ class ModelRunner:
                 hca_tables=self._tensor(host["tables"]["hca"], i32), state_slots=host["slots"],
                 seq=self._tensor([i for i, r in enumerate(batch.rows)
                                   for _ in range(r.num_tokens)], i64))
-            logits = self.net(fb, self.caches,
-                              logits_rows=self._tensor(host["logits_rows"], i64))
+            out: list[torch.Tensor] = []
+            logits = self.net(fb, self.caches, logits_rows=self._tensor(host["logits_rows"], i64),
+                              streams_out=out if self.mtp is not None else None)
+            if self.mtp is not None:
+                host["mtp_in"] = (fb, out[0], None)
         return logits
+
+    def _keep_mtp_input(self, host: dict, q: int) -> None:
+        """A fixed-shape round's batch and last streams for the MTP drafter (rows of q tokens
+        in the step's padded layout)."""
+        if self.mtp is not None:
+            step = self.graphs.last
+            host["mtp_in"] = (step.batch(), step.streams, q)
 
     def _run_pipelined(self, host: dict) -> torch.Tensor:
         """A pipelined round of verification rows (speculative decoding, every row's start and
@@ -444,6 +464,7 @@ class ModelRunner:
         pos = ctx[:, None] + torch.arange(q, device=self.device)
         logits = self.graphs.run(ids.reshape(-1), ctx, host["slots"], host["tables"],
                                  rows=host["graph"], tokens=q)
+        self._keep_mtp_input(host, q)
         params, seeds, _, allowed = host["sampling"]
         host["sampling"] = (params, seeds, (pos + 1).reshape(-1), allowed)
         offered = st.drafts[sl]  # (a copy: the epilogue writes the next round's)
@@ -500,7 +521,9 @@ class ModelRunner:
                 sl, ctx, ids, drafts, draw_at = host["spec_rows"]
                 draws = (res.tokens.view(ids.shape) if draw_at is None
                          else res.tokens[draw_at])
-                self.spec_state.advance(sl, ctx, ids, drafts, draws)
+                kept = self.spec_state.advance(sl, ctx, ids, drafts, draws)
+                if self.mtp is not None:
+                    self._mtp_round(handle, host, res.tokens, kept)
                 if draw_at is None:  # (pipelined: the host learns what the device ran)
                     handle.host["row_start"] = self._to_host(ctx)
                     handle.host["row_ids"] = self._to_host(ids)
@@ -511,6 +534,51 @@ class ModelRunner:
             if getattr(res, "top_ids", None) is not None:
                 handle.host["top_ids"] = self._to_host(res.top_ids)
                 handle.host["top_logprobs"] = self._to_host(res.top_logprobs)
+        elif self.mtp is not None and "mtp_in" in host:  # (prompt chunks: the MTP cache)
+            self._mtp_round(handle, host, None, None)
+
+    def _mtp_round(self, handle: RoundHandle, host: dict, draws: torch.Tensor | None,
+                   kept: torch.Tensor | None) -> None:
+        """The MTP drafter over the round (engine/mtp_drafter.py): each token paired with the
+        next one - its row's next input, or the draw made at its position - and, per sampling
+        row, the chain of drafts from its accepted position, into the speculative state (and,
+        for a round built on the host, back to the host with the results)."""
+        i64 = torch.int64
+        fb, streams, q = host.pop("mtp_in")
+        rows = handle.batch.rows
+        T = streams.shape[0]
+        if rows and rows[0].device:  # pipelined: every row's q positions drawn
+            R = kept.shape[0]
+            nxt = torch.zeros(T, dtype=i64, device=self.device)
+            nxt[:R * q] = draws
+            first = torch.arange(R, device=self.device) * q
+            row_seq = torch.arange(R, device=self.device)
+        else:
+            shift, draw_at, first, base = [], [], [], 0
+            for i, r in enumerate(rows):
+                n, end = r.num_tokens, r.start + r.num_tokens
+                known = len(r.req.prompt_ids) + len(r.req.output_ids)
+                width = n if q is None else q
+                # the token after the row's last: the prompt's (a chunk), else drawn here
+                shift += r.token_ids[1:] + [r.req.token_at(end) if end < known else 0]
+                shift += [0] * (width - n)
+                if r.sample:
+                    m = r.num_samples
+                    draw_at += range(base + n - m, base + n)
+                    first.append(base + n - m)
+                base += width
+            nxt = self._tensor(shift + [0] * (T - len(shift)), i64)
+            if draw_at:
+                nxt[self._tensor(draw_at, i64)] = draws
+            first = self._tensor(first, i64)
+            row_seq = self._tensor(list(handle.batch.sample_rows), i64)
+        if kept is None:  # (nothing drawn: the prompt chunks' entries only)
+            self.mtp.draft(fb, streams, nxt, None, None)
+            return
+        drafts = self.mtp.draft(fb, streams, nxt, first + kept, row_seq)
+        self.spec_state.set_drafts(host["spec_rows"][0], drafts)
+        if not (rows and rows[0].device):  # (a host round: the next is built from them)
+            handle.host["mtp_drafts"] = self._to_host(drafts)
 
     @staticmethod
     def idle_gaps(handles: list[RoundHandle]) -> list[float]:

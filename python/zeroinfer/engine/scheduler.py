@@ -78,6 +78,9 @@ class RoundResult:
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None
     prompt_logits: dict[int, object] = field(default_factory=dict)  # row index -> [n, V] tensor
+    # a device drafter's drafts after each sampling row (the MTP module's; rounds built on the
+    # host): row index -> drafts
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -158,9 +161,9 @@ class Scheduler:
                 n = min(known - pos, budget)
                 ids = [req.token_at(i) for i in range(pos, pos + n)]
                 prev_row = -1
-                if pos == known - 1 and req.ngram is not None and not req.inflight:
+                if pos == known - 1 and req.drafter is not None and not req.inflight:
                     # a decode row of a speculating request: verify the drafter's guesses too
-                    ids += req.ngram.propose(min(self._draft_room(req, pos), budget - 1))
+                    ids += req.drafter.propose(min(self._draft_room(req, pos), budget - 1))
                     n = len(ids)
             elif pos == known + req.inflight - 1:  # a decode row
                 if self._will_finish(req):
@@ -175,14 +178,7 @@ class Scheduler:
                     n, ids, prev_row = 1, [req.token_at(pos)], -1
             else:  # waiting for the in-flight round to commit (nothing to feed yet)
                 continue
-            # Under speculation every decode row holds blocks for a full verification row,
-            # drafts or not: a round of verification rows runs in fixed shapes (one length for
-            # every row), the rows with fewer drafts padded with guesses that are never kept.
-            reserve = n
-            if self.speculative is not None and pos >= known - 1:
-                reserve = max(n, min(1 + self.speculative.num_draft_tokens,
-                                     self.max_model_len - pos))
-            if not grow_or_preempt(req, pos + reserve):
+            if not grow_or_preempt(req, self._reach(pos, n, known)):
                 self._preempt(req)
                 continue
             if req.status is not Status.RUNNING:
@@ -201,12 +197,13 @@ class Scheduler:
             if req.inflight:  # preempted while a token was in flight: wait for its commit
                 break
             pos, n = 0, min(req.num_known, budget)
-            if not self.blocks.can_grow(req.blocks, n, need_slot=True):
+            reach = self._reach(pos, n, req.num_known)
+            if not self.blocks.can_grow(req.blocks, reach, need_slot=True):
                 if self.reclaim(wait=True):
                     continue
                 break
             self.waiting.popleft()
-            self.blocks.grow(req.blocks, n)
+            self.blocks.grow(req.blocks, reach)
             req.slot = self.blocks.take_slot()
             req.status = Status.RUNNING
             req.num_computed = 0
@@ -237,9 +234,10 @@ class Scheduler:
             if self._will_finish(req):  # (prev's commit ends it)
                 continue
             # Its committed tokens reach the bonus of the round before prev; prev emits at most
-            # 1 + D, and this row spans 1 + D from there. (Blocks taken for a round that then
-            # does not happen stay the request's, for its next rows.)
-            reach = req.num_known + 2 * D + 1
+            # 1 + D, and this row spans 1 + D from there (the MTP drafter's chain D - 1 more:
+            # lookahead). (Blocks taken for a round that then does not happen stay the
+            # request's, for its next rows.)
+            reach = req.num_known + D + 1 + self.speculative.lookahead
             if not self.blocks.can_grow(req.blocks, reach):
                 return None
             self.blocks.grow(req.blocks, reach)
@@ -265,6 +263,23 @@ class Scheduler:
         req.num_computed = end  # (a verification row's: optimistic, set right at commit)
         if sample:
             req.inflight += 1
+
+    def _reach(self, pos: int, n: int, known: int) -> int:
+        """The positions a row of n tokens at pos holds blocks for. Under speculation every
+        decode row holds them for a full verification row, drafts or not (a round of
+        verification rows runs in fixed shapes, one length for every row, the rows with fewer
+        drafts padded with guesses that are never kept), and with the MTP drafter for its
+        chain past the row (SpeculativeConfig.lookahead) - a last prompt chunk's too."""
+        spec = self.speculative
+        if spec is None:
+            return pos + n
+        if pos >= known - 1:
+            more = 1 + spec.lookahead
+        elif spec.method == "mtp" and pos + n == known:
+            more = n + spec.num_draft_tokens - 1
+        else:
+            more = n
+        return pos + max(n, min(more, self.max_model_len - pos))
 
     def _draft_room(self, req: Request, pos: int) -> int:
         """The drafts worth verifying for a decode row at `pos`: the configured number, but
@@ -295,7 +310,7 @@ class Scheduler:
             req.inflight -= 1
             if req.finished:
                 continue  # aborted or finished meanwhile: the tokens are dropped
-            if req.ngram is not None:
+            if req.drafter is not None:
                 offered = max(offered or 0, result.rows[i][3] if row.device else row.drafts)
             emit = 1
             if row.drafts or row.device:  # the drafts the draws confirm, then the first draw
@@ -314,6 +329,8 @@ class Scheduler:
                     self._finish(req, reason)
                     finished.append(req)
                     break
+            if i in result.drafts and not req.finished:  # (after _append's extend)
+                req.drafter.drafts = result.drafts[i]
         if offered is not None:
             self.recent_drafts = offered
         for i, logits in result.prompt_logits.items():
@@ -331,8 +348,8 @@ class Scheduler:
         """Commit draw j of the result to the request; returns why it finishes, or None."""
         tok = result.tokens[j]
         req.output_ids.append(tok)
-        if req.ngram is not None:
-            req.ngram.extend((tok,))
+        if req.drafter is not None:
+            req.drafter.extend((tok,))
         if result.logprobs is not None and req.params.logprobs is not None:
             top = result.top[j][: req.params.logprobs] if result.top else []
             req.output_logprobs.append((result.logprobs[j], top))

@@ -32,6 +32,7 @@ class SpeculativeState:
         the positions a sequence may reach; fixed_shapes: run `advance` on padded rows (a CUDA
         graph a class on a GPU)."""
         D = spec.num_draft_tokens
+        self.ngram = spec.method == "ngram"  # else the MTP drafter's drafts (set_drafts)
         self.scratch = slots
         self.fixed_shapes = fixed_shapes
         self.cuda = torch.device(device).type == "cuda"
@@ -132,10 +133,18 @@ class SpeculativeState:
         length = ctx + 2 + kept
         self.length[slots] = length
         bonus = draws.gather(1, kept[:, None])
-        proposed, count = self.propose(slots, length)
-        self.next_ids[slots] = torch.cat([bonus, proposed], dim=1)
-        self.drafts[slots] = count
+        if self.ngram:
+            proposed, count = self.propose(slots, length)
+            self.next_ids[slots] = torch.cat([bonus, proposed], dim=1)
+            self.drafts[slots] = count
+        else:  # (the MTP drafter writes the drafts after the epilogue: set_drafts)
+            self.next_ids[slots, :1] = bonus
         return kept
+
+    def set_drafts(self, slots: torch.Tensor, drafts: torch.Tensor) -> None:
+        """A device drafter's drafts [R, D] as the rows' next drafts (all D offered)."""
+        self.next_ids[slots, 1:] = drafts
+        self.drafts[slots] = drafts.shape[1]
 
     def propose(self, slots: torch.Tensor, length: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,13 @@ give the same tokens with or without speculation, whatever the drafts (for a poi
 this is rejection sampling: the draft is kept with probability p(draft), and otherwise the
 token comes from p without it). Drafts only change how many tokens a round yields.
 
-The drafter is prompt lookup ("n-gram"): the tokens that followed the latest earlier
+Two drafters (SpeculativeConfig.method):
+- "mtp": the model's own multi-token-prediction module (engine/mtp_drafter.py), run on the
+  device after each round's draws - greedy drafts from the main model's last streams; the
+  checkpoint must carry the module (`mtp.*`, loaded with load(..., mtp=True)).
+- "ngram" (the default; no extra weights) is described here.
+
+The n-gram drafter is prompt lookup: the tokens that followed the latest earlier
 occurrence of the sequence's last n tokens, for the longest n in [min_ngram, max_ngram] that
 occurs. It needs no model and wins where text repeats its context (code edits, extraction,
 retrieval-augmented answers). NgramIndex keeps a map from each n-gram to its latest
@@ -27,16 +33,32 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+METHODS = ("ngram", "mtp")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """num_draft_tokens: the most drafts a row verifies (a verification row is 1 + that many
-    tokens); min_ngram / max_ngram: the suffix lengths the drafter looks up, longest first."""
+    tokens); method: the drafter, "ngram" (prompt lookup) or "mtp" (the model's MTP module);
+    min_ngram / max_ngram: the suffix lengths the n-gram drafter looks up, longest first."""
 
     num_draft_tokens: int = 4
     min_ngram: int = 1
     max_ngram: int = 3
+    method: str = "ngram"
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past a decode row's first that the row holds blocks for: its drafts', and
+        with the MTP drafter its chain's (it drafts from the row's last accepted position on,
+        writing its own cache there)."""
+        D = self.num_draft_tokens
+        return 2 * D - 1 if self.method == "mtp" else D
 
     def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got "
+                             f"{self.method!r}")
         for f in ("num_draft_tokens", "min_ngram", "max_ngram"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -78,6 +100,20 @@ class NgramIndex:
             if at is not None:
                 return toks[at:at + k]
         return []
+
+
+class DeviceDrafts:
+    """A request's drafts as the device's drafter (the MTP module) last left them, for rounds
+    built on the host: each committed round brings the drafts that follow its last token."""
+
+    def __init__(self) -> None:
+        self.drafts: list[int] = []
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.drafts = []  # (until the round's own drafts arrive with its commit)
+
+    def propose(self, k: int) -> list[int]:
+        return self.drafts[:max(k, 0)]
 
 
 def accepted_prefix(drafts: Sequence[int], sampled: Sequence[int]) -> int:

@@ -43,9 +43,7 @@ def load(model: str | Path, *, dtype: torch.dtype = torch.float32,
     if _is_dummy(name):
         from zeroinfer.model.dummy import random_state_dict
 
-        tensors = iter(random_state_dict(config, seed).items())
-        if not mtp:
-            tensors = ((k, v) for k, v in tensors if not k.startswith("mtp."))
+        tensors = iter(random_state_dict(config, seed, mtp=mtp).items())
         if ep is not None:  # made whole (from the seed), then cut to this rank's slots
             from zeroinfer.parallel import local_expert_tensors
 

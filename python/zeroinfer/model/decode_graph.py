@@ -71,6 +71,8 @@ class FixedStep:
         self.offset = torch.arange(tokens, **i64).repeat(rows)  # its place in the row
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        # the last layer's streams of every token (a model with MTP modules: their input)
+        self.streams: torch.Tensor | None = None
 
     def real(self) -> torch.Tensor:
         """[rows * tokens] bool: the tokens of sequences' rows (not padding)."""
@@ -116,6 +118,8 @@ class DecodeGraphs:
         self.max_rows = ROW_BUCKETS[-1]  # larger steps run eagerly (takes)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.scratch_window = caches[0].window.shape[0] - 1
+        self.keep_streams = len(getattr(net, "mtp", ())) > 0
+        self.last: FixedStep | None = None  # the step of the last run (its batch and streams)
         states = [s for c in caches for s in c.state.values()]
         self.scratch_slot = states[0].scratch_slot if states else 0  # (none: slots unused)
 
@@ -152,11 +156,19 @@ class DecodeGraphs:
             if self.cuda:
                 self._capture(step)
         self._fill(step, input_ids, context_lens, state_slots, tables)
+        self.last = step
         if not self.cuda:
             with self._exchange(step):
-                return self.net(step.batch(), self.caches)[:S * tokens]
+                return self._forward(step)[:S * tokens]
         step.graph.replay()
         return step.logits[:S * tokens]
+
+    def _forward(self, step: FixedStep) -> torch.Tensor:
+        out: list[torch.Tensor] = []
+        logits = self.net(step.batch(), self.caches,
+                          streams_out=out if self.keep_streams else None)
+        step.streams = out[0] if out else None
+        return logits
 
     def reset(self) -> None:
         """Drop every captured step (recaptured on next use): after the weights a graph reads
@@ -221,6 +233,6 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(side)
             step.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(step.graph, pool=self.pool), self._exchange(step):
-                step.logits = self.net(step.batch(), self.caches)
+                step.logits = self._forward(step)
         finally:
             torch.cuda.set_sync_debug_mode(guard)

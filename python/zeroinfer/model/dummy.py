@@ -43,12 +43,13 @@ def _random_mxfp4(gen: torch.Generator, *shape_nk: int, fan_in: int):
     return blocks, scales
 
 
-def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded random weights for every tensor of the graph (float32 / uint8 / int64), the MTP
-    modules' last (so the main model's do not depend on them)."""
+def random_state_dict(config: ModelConfig, seed: int = 0, *,
+                      mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Seeded random weights for every tensor of the graph (float32 / uint8 / int64); with mtp
+    the MTP modules' too, made last (the main model's are the same either way)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        net = DeepseekV4ForCausalLM(config, torch.float32, mtp=True)
+        net = DeepseekV4ForCausalLM(config, torch.float32, mtp=mtp)
     out: dict[str, torch.Tensor] = {}
     c = config
     for name, t in net.state_dict().items():
