@@ -16,8 +16,11 @@ The drafts go to the device's speculative state (the next round reads them there
 pipelined) and, for rounds built on the host, back with the round's results.
 
 Everything stays on the device (the accepted count is known only there): the chain's positions
-and window-table rows are device tensors; its steps run eagerly (a sliding-window block needs
-no host-side lengths).
+and window-table rows are device tensors (a sliding-window block needs no host-side lengths).
+A round in fixed shapes (a decode graph's class) drafts in that class's shapes too, every
+padding row drafting into the scratch block: one CUDA graph a class on a GPU (`draft_fixed`;
+captured on the round at hand - the module's writes are idempotent, unlike the compressors',
+so the warm-up may run on real rows), the same padded form eagerly on the CPU.
 """
 
 from __future__ import annotations
@@ -29,12 +32,83 @@ from zeroinfer.model.cache import ForwardBatch, LayerCache, pool_block_size
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 
 
+class _FixedDrafts:
+    """A fixed-shape class's static inputs (next ids [rows * q], accepted token index [rows])
+    and drafts [rows, D], and on a GPU its graph."""
+
+    @torch.inference_mode(False)
+    def __init__(self, rows: int, q: int, D: int, device: torch.device) -> None:
+        i64 = dict(dtype=torch.int64, device=device)
+        self.nxt = torch.zeros(rows * q, **i64)
+        self.first = torch.arange(rows, **i64) * q  # each row's first token: a padding row's
+        self.acc = self.first.clone()
+        self.row_seq = torch.arange(rows, **i64)
+        self.drafts = torch.zeros(rows, D, **i64)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
 class MtpDrafter:
     def __init__(self, net: DeepseekV4ForCausalLM, cache: LayerCache, num_drafts: int) -> None:
         if not len(net.mtp):
             raise ValueError("speculative method 'mtp' needs the model's MTP modules: load the "
                              "checkpoint with load(..., mtp=True) (LLM does for method='mtp')")
         self.net, self.cache, self.D = net, cache, num_drafts
+        self.fixed: dict[int, tuple[object, _FixedDrafts]] = {}  # id(step) -> (step, buffers)
+        self.pool = None
+
+    def draft_fixed(self, step, draws: torch.Tensor, draw_at: torch.Tensor | None,
+                    kept: torch.Tensor) -> torch.Tensor:
+        """`draft` for a round in a decode graph's fixed shapes (model/decode_graph.py
+        FixedStep `step`, its batch and streams; every real row samples at each of its tokens):
+        draws at the token indices draw_at (None: all of the first R rows' q tokens), kept [R]
+        the rows' accepted drafts. Returns the R rows' drafts [R, D] (the class's output)."""
+        got = self.fixed.get(id(step))
+        if got is None or got[0] is not step:
+            got = self.fixed[id(step)] = (step, _FixedDrafts(step.rows, step.tokens, self.D,
+                                                             draws.device))
+            fresh = True
+        else:
+            fresh = False
+        f = got[1]
+        R = kept.shape[0]
+        f.nxt.zero_()
+        if draw_at is None:
+            f.nxt[:draws.shape[0]] = draws
+        else:
+            f.nxt[draw_at] = draws
+        f.acc.copy_(f.first)
+        f.acc[:R] += kept
+        if draws.device.type != "cuda":
+            self._draft_into(step, f)
+        elif fresh:
+            self._capture(step, f)
+        else:
+            f.graph.replay()
+        return f.drafts[:R]
+
+    def _draft_into(self, step, f: _FixedDrafts) -> None:
+        f.drafts.copy_(self.draft(step.batch(), step.streams, f.nxt, f.acc, f.row_seq))
+
+    def _capture(self, step, f: _FixedDrafts) -> None:
+        """Run the class's drafts (warm-up, on a side stream as torch asks: on this round's
+        rows, which the drafts need anyway), then capture them. Capturing synchronises the
+        device, once a class: the engine's sync guard is lifted for it."""
+        dev = f.nxt.device
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        guard = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self._draft_into(step, f)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            f.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(f.graph, pool=self.pool):
+                self._draft_into(step, f)
+        finally:
+            torch.cuda.set_sync_debug_mode(guard)
 
     @torch.inference_mode()
     def draft(self, batch: ForwardBatch, streams: torch.Tensor, next_ids: torch.Tensor,

@@ -445,7 +445,7 @@ class ModelRunner:
         in the step's padded layout)."""
         if self.mtp is not None:
             step = self.graphs.last
-            host["mtp_in"] = (step.batch(), step.streams, q)
+            host["mtp_in"] = (step, step.streams, q)
 
     def _run_pipelined(self, host: dict) -> torch.Tensor:
         """A pipelined round of verification rows (speculative decoding, every row's start and
@@ -546,38 +546,33 @@ class ModelRunner:
         i64 = torch.int64
         fb, streams, q = host.pop("mtp_in")
         rows = handle.batch.rows
-        T = streams.shape[0]
-        if rows and rows[0].device:  # pipelined: every row's q positions drawn
-            R = kept.shape[0]
-            nxt = torch.zeros(T, dtype=i64, device=self.device)
-            nxt[:R * q] = draws
-            first = torch.arange(R, device=self.device) * q
-            row_seq = torch.arange(R, device=self.device)
+        pipelined = bool(rows) and rows[0].device
+        if q is not None:  # a fixed-shape round (fb: its FixedStep): each row draws at q
+            draw_at = None if pipelined else self._tensor(  # (or its n <= q) positions
+                [i * q + j for i, r in enumerate(rows) for j in range(r.num_tokens)], i64)
+            drafts = self.mtp.draft_fixed(fb, draws, draw_at, kept)
         else:
             shift, draw_at, first, base = [], [], [], 0
-            for i, r in enumerate(rows):
+            for r in rows:  # (fb: the eager forward's batch, the rows one after another)
                 n, end = r.num_tokens, r.start + r.num_tokens
                 known = len(r.req.prompt_ids) + len(r.req.output_ids)
-                width = n if q is None else q
                 # the token after the row's last: the prompt's (a chunk), else drawn here
                 shift += r.token_ids[1:] + [r.req.token_at(end) if end < known else 0]
-                shift += [0] * (width - n)
                 if r.sample:
                     m = r.num_samples
                     draw_at += range(base + n - m, base + n)
                     first.append(base + n - m)
-                base += width
-            nxt = self._tensor(shift + [0] * (T - len(shift)), i64)
+                base += n
+            nxt = self._tensor(shift, i64)
             if draw_at:
                 nxt[self._tensor(draw_at, i64)] = draws
-            first = self._tensor(first, i64)
-            row_seq = self._tensor(list(handle.batch.sample_rows), i64)
-        if kept is None:  # (nothing drawn: the prompt chunks' entries only)
-            self.mtp.draft(fb, streams, nxt, None, None)
-            return
-        drafts = self.mtp.draft(fb, streams, nxt, first + kept, row_seq)
+            if kept is None:  # (nothing drawn: the prompt chunks' entries only)
+                self.mtp.draft(fb, streams, nxt, None, None)
+                return
+            drafts = self.mtp.draft(fb, streams, nxt, self._tensor(first, i64) + kept,
+                                    self._tensor(list(handle.batch.sample_rows), i64))
         self.spec_state.set_drafts(host["spec_rows"][0], drafts)
-        if not (rows and rows[0].device):  # (a host round: the next is built from them)
+        if not pipelined:  # (a host round: the next is built from them)
             handle.host["mtp_drafts"] = self._to_host(drafts)
 
     @staticmethod
