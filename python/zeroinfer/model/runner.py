@@ -55,17 +55,17 @@ class PagedRunner:
         self.last_step[slot] = 0
         self.mtp_lengths[slot] = 0
 
-    def _batch(self, slots: list[int], feeds: dict[int, list[int]], lengths: list[int],
-               ids: list[int] | None = None) -> tuple[ForwardBatch, list[int]]:
-        """The ForwardBatch of new tokens (feeds: slot -> ids, or only their counts with ids
-        given) at each slot's `lengths`, and the row offsets."""
+    def _batch(self, slots: list[int], feeds: dict[int, list[int]],
+               lengths: list[int]) -> tuple[ForwardBatch, list[int]]:
+        """The ForwardBatch of new tokens (feeds: slot -> ids) at each slot's `lengths`, and the
+        row offsets."""
         pos, cu, ctx = [], [0], []
         for s in slots:
             n = len(feeds[s])
             pos += range(lengths[s], lengths[s] + n)
             cu.append(cu[-1] + n)
             ctx.append(lengths[s])
-        ids = ids if ids is not None else [t for s in slots for t in feeds[s]]
+        ids = [t for s in slots for t in feeds[s]]
         sel = torch.tensor(slots, device=self.device)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
@@ -93,8 +93,7 @@ class PagedRunner:
             if self.mtp_lengths[s] + len(nxt) > self.max_len:
                 raise ValueError(f"slot {s}: {self.mtp_lengths[s] + len(nxt)} MTP positions "
                                  f"exceed max_len={self.max_len}")
-        nxt = [t for s in slots for t in feeds[s][1]]
-        batch, cu = self._batch(slots, {s: feeds[s][1] for s in slots}, self.mtp_lengths, nxt)
+        batch, cu = self._batch(slots, {s: list(feeds[s][1]) for s in slots}, self.mtp_lengths)
         streams = torch.cat([feeds[s][0] for s in slots]).to(self.net.dtype)
         logits, out = self.net.mtp_forward(streams, batch.input_ids, batch,
                                            self.caches[self.net.config.num_hidden_layers])
