@@ -572,8 +572,9 @@ class ModelRunner:
             drafts = self.mtp.draft(fb, streams, nxt, self._tensor(first, i64) + kept,
                                     self._tensor(list(handle.batch.sample_rows), i64))
         self.spec_state.set_drafts(host["spec_rows"][0], drafts)
-        if not pipelined:  # (a host round: the next is built from them)
-            handle.host["mtp_drafts"] = self._to_host(drafts)
+        # (to the host too: a round built there - the next, or after a pipelined run the
+        # barrier's - takes its rows' drafts from the commit)
+        handle.host["mtp_drafts"] = self._to_host(drafts)
 
     @staticmethod
     def idle_gaps(handles: list[RoundHandle]) -> list[float]:
