@@ -36,6 +36,7 @@ class SpeculativeState:
         self.scratch = slots
         self.fixed_shapes = fixed_shapes
         self.cuda = torch.device(device).type == "cuda"
+        self.capture = self.cuda  # the fixed-shape epilogue in CUDA graphs (use_proposer)
         # (rows class, tokens) -> (packed inputs [rows, 3 + 2q], their padding rows, kept
         # [rows], graph or None)
         self.classes: dict[tuple[int, int], tuple] = {}
@@ -101,7 +102,7 @@ class SpeculativeState:
         write only the scratch slot) after a warm-up on a side stream, as torch asks."""
         packed, padding = self._padding(n, q), self._padding(n, q)
         kept = torch.zeros(n, dtype=torch.int64, device=packed.device)
-        if not self.cuda:
+        if not self.capture:
             return packed, padding, kept, None
         guard = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)  # (capture synchronises the device, once a class)
@@ -140,6 +141,15 @@ class SpeculativeState:
         else:  # (the MTP drafter writes the drafts after the epilogue: set_drafts)
             self.next_ids[slots, :1] = bonus
         return kept
+
+    def use_proposer(self, propose, *, capturable: bool) -> None:
+        """Draft with `propose(slots, length) -> (drafts [R, D], count [R])` in place of the
+        n-gram lookup (tests and benchmarks: zeroinfer.testing.drafts). capturable: whether it
+        can run inside a CUDA graph (no host reads, no generator state); the classes captured
+        with the lookup are dropped."""
+        self.propose = propose
+        self.capture = self.capture and capturable
+        self.classes.clear()
 
     def set_drafts(self, slots: torch.Tensor, drafts: torch.Tensor) -> None:
         """A device drafter's drafts [R, D] as the rows' next drafts (all D offered)."""

@@ -2,7 +2,7 @@
 continuation (what plain decoding produced), each draft wrong with a set probability, so the
 verification path can be driven at any acceptance rate - which a random-weight model's n-gram
 drafts cannot give. It has NgramIndex's interface (engine/speculative.py): set it as a
-request's `ngram` after add_request."""
+request's `drafter` after add_request."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def draft_on_device_from(engine, reqs, futures: list[list[int]], rng: random.Ran
     """Make `engine`'s device drafter (its SpeculativeState.propose, which drafts the rows of
     pipelined rounds) draft from known continuations too: for the request in each slot, the
     tokens at its positions length .. length + n (n random up to D), each wrong with
-    probability `wrong`. It reads the slots on the host (a sync: for CPU tests)."""
+    probability `wrong`. It reads the slots on the host (a sync: for CPU tests, and on a GPU
+    without the epilogue's CUDA graphs, which cannot hold host reads)."""
     import torch
 
     st = engine.runner.spec_state
@@ -54,7 +55,7 @@ def draft_on_device_from(engine, reqs, futures: list[list[int]], rng: random.Ran
             count[i] = len(d)
         return out, count
 
-    st.propose = propose
+    st.use_proposer(propose, capturable=False)
 
 
 def draft_on_device_by_slot(engine, seqs: dict[int, list[int]], wrong: float,
@@ -62,8 +63,11 @@ def draft_on_device_by_slot(engine, seqs: dict[int, list[int]], wrong: float,
     """draft_on_device_from without host reads (for benchmarks on a GPU): `seqs` maps a state
     slot to its request's whole sequence (prompt, then plain decoding's output), fixed for the
     run (no preemption). Every row drafts the full D tokens its sequence still has, each wrong
-    with probability `wrong`, drawn on the device."""
+    with probability `wrong`, drawn on the device by a counter-based hash of (seed + slot,
+    position) - no generator state, so the epilogue's CUDA graphs can hold it."""
     import torch
+
+    from zeroinfer.sampling.sampler import random_bits
 
     st = engine.runner.spec_state
     dev = st.hist.device
@@ -74,16 +78,17 @@ def draft_on_device_by_slot(engine, seqs: dict[int, list[int]], wrong: float,
         table[slot, :len(seq)] = torch.tensor(seq)
         ends[slot] = len(seq)
     table, ends = table.to(dev), ends.to(dev)
-    gen = torch.Generator(device=dev).manual_seed(seed)
     vocab = engine.model.config.vocab_size
 
     def propose(slots, length):
         d = torch.arange(st.D, device=dev)
         at = (length[:, None] + d).clamp(max=table.shape[1] - 1)
         out = table[slots[:, None], at]
-        bad = torch.rand(out.shape, generator=gen, device=dev) < wrong
-        out = torch.where(bad, torch.randint(0, vocab, out.shape, generator=gen, device=dev),
-                          out)
+        bits = random_bits((slots[:, None] + seed).expand_as(at).reshape(-1), at.reshape(-1), 2)
+        u = ((bits[:, 0] >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0**-53
+        bad = (u < wrong).view(out.shape)
+        rand_tok = (bits[:, 1] & ((1 << 62) - 1)) % vocab
+        out = torch.where(bad, rand_tok.view(out.shape), out)
         return out, (ends[slots] - length).clamp(min=0, max=st.D)
 
-    st.propose = propose
+    st.use_proposer(propose, capturable=True)
