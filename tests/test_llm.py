@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -120,10 +121,13 @@ def test_cli_generate_prints_jsonl():
     # (--eager: no CUDA graphs, on the CPU the same path; speculative decoding: the same tokens)
     for flags in ([], ["--eager"], ["--speculative-tokens", "3"],
                   ["--speculative-tokens", "2", "--speculative-method", "mtp"]):
-        out = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "Hello", "Bonjour",
+        run = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "Hello", "Bonjour",
                               "--max-tokens", "3", "--ignore-eos", "--quiet", *flags],
-                             capture_output=True, text=True, check=True, timeout=300).stdout
-        outs.append([json.loads(line) for line in out.splitlines()])
+                             capture_output=True, text=True, check=True, timeout=300)
+        outs.append([json.loads(line) for line in run.stdout.splitlines()])
+        if "mtp" in flags:  # (the MTP module always drafts: its rows' drafts counted)
+            assert re.search(r"speculative \(mtp, up to 2 drafts a row\): \d+ of [1-9]\d* "
+                             r"drafts kept", run.stderr), run.stderr
     fp8 = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "Hello",
                           "--max-tokens", "3", "--ignore-eos", "--quiet", "--kv-cache-dtype",
                           "fp8"], capture_output=True, text=True, check=True, timeout=300).stdout

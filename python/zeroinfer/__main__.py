@@ -158,7 +158,14 @@ def cmd_generate(a) -> int:
     if a.ep_ranks > 1:
         outs = _generate_ep(a, prompts)
     else:
-        outs = [_output(o) for o in _llm(a).generate(prompts, _params(a), use_tqdm=not a.quiet)]
+        results = _llm(a).generate(prompts, _params(a), use_tqdm=not a.quiet)
+        outs = [_output(o) for o in results]
+        if a.speculative_tokens:  # (on stderr: the JSON lines stay the same with or without)
+            drafted = sum(o.num_drafted for o in results)
+            kept = sum(o.num_accepted for o in results)
+            print(f"speculative ({a.speculative_method}, up to {a.speculative_tokens} drafts a "
+                  f"row): {kept} of {drafted} drafts kept"
+                  + (f" ({kept / drafted:.1%})" if drafted else ""), file=sys.stderr)
     for o in outs:
         print(json.dumps(o, ensure_ascii=False))
     return 0

@@ -24,6 +24,10 @@ class RequestOutput:
     logprobs: list | None = None  # per token: (logprob, [(top_id, top_logprob), ...])
     message: object | None = None  # chat(): the parsed reply (reasoning_content, content, ...)
     num_preemptions: int = 0
+    # speculative decoding: drafts its verification rows checked, and those kept (a kept
+    # draft is a token that took no round of its own)
+    num_drafted: int = 0
+    num_accepted: int = 0
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
@@ -105,7 +109,8 @@ class LLM:
         return RequestOutput(req.request_id, prompt, req.prompt_ids, list(req.output_ids), text,
                              req.finish_reason or "abort",
                              req.output_logprobs if req.params.logprobs is not None else None,
-                             num_preemptions=req.num_preemptions)
+                             num_preemptions=req.num_preemptions,
+                             num_drafted=req.num_drafted, num_accepted=req.num_accepted)
 
     def _run(self, encoded, params_list, use_tqdm: bool) -> list[RequestOutput]:
         for i, ((_, ids), p) in enumerate(zip(encoded, params_list)):  # all before queueing any

@@ -60,6 +60,9 @@ def _run(model, work, *, spec=None, graphs=False, chunk=64, record=None, forbid_
     eng.drain()
     eng.finish()
     assert eng.blocks.all_free(), "KV blocks leaked"
+    s = eng.scheduler  # (the requests' own counts, as RequestOutput reports them, add up)
+    assert sum(r.num_drafted for r in reqs) == s.num_drafted
+    assert sum(r.num_accepted for r in reqs) == s.num_accepted
     return [(r.output_ids, r.finish_reason, [lp for lp, _ in r.output_logprobs])
             for r in reqs], eng
 

@@ -44,9 +44,11 @@ class Request:
     detok: object | None = None  # IncrementalDetokenizer when stop strings are used
     # structured output's grammar matcher (zeroinfer.structured_output), at the committed tokens
     matcher: object | None = None
-    # speculative decoding's drafter (engine/speculative.NgramIndex) over the committed tokens;
-    # None where the request does not speculate
+    # speculative decoding's drafter (engine/speculative.NgramIndex, or DeviceDrafts for the
+    # MTP drafter) over the committed tokens; None where the request does not speculate
     drafter: object | None = None
+    num_drafted: int = 0  # drafts its verification rows checked, and kept
+    num_accepted: int = 0
     text: str = ""
 
     @property

@@ -9,6 +9,7 @@ through RoundHandle.result(), after the round's event.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -30,12 +31,18 @@ KINDS = ("window", "csa", "hca")
 
 
 class EmulatedDevice:
-    """An in-order 'device' for CPU runs: one worker thread executing submitted work in order."""
+    """An in-order 'device' for CPU runs: one worker thread executing submitted work in order.
+
+    The thread is joined at interpreter exit if no one closed it: a daemon thread still inside
+    torch when the interpreter finalises (it may be freeing a round's tensors just after
+    signalling the round done) is ended by a forced unwind that aborts the process
+    ("terminate called without an active exception")."""
 
     def __init__(self) -> None:
         self.q: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name="zeroinfer-device", daemon=True)
         self.thread.start()
+        atexit.register(self.close)
 
     def _loop(self) -> None:
         while True:
@@ -48,6 +55,7 @@ class EmulatedDevice:
         self.q.put(fn)
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self.q.put(None)
         self.thread.join()
 

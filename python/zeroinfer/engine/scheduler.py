@@ -321,6 +321,8 @@ class Scheduler:
                 kept = accepted_prefix(drafts, result.tokens[first:k])
                 self.num_drafted += len(drafts)
                 self.num_accepted += kept
+                req.num_drafted += len(drafts)
+                req.num_accepted += kept
                 emit = 1 + kept
                 req.num_computed = start + emit  # the rejected drafts' K/V is stale
             for j in range(first, first + emit):
