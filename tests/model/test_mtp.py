@@ -186,3 +186,21 @@ def test_mtp_checkpoint_errors(tmp_path, gen):
     save_checkpoint(tmp_path / "plain", ours.net.state_dict(), plain)
     with pytest.raises(ValueError, match="no MTP modules"):
         load(tmp_path / "plain", mtp=True)
+
+
+def test_mtp_checkpoint_for_an_expert_parallel_rank(tmp_path, gen):
+    """An expert-parallel rank reads its slots of the main layers' experts and every expert of
+    the MTP module (held whole on each rank, so drafting needs no exchange)."""
+    from zeroinfer.model.weights import iter_checkpoint
+
+    ours = load("dummy:tiny", seed=int(torch.randint(0, 2**31, (1,), generator=gen)), mtp=True)
+    path = save_checkpoint(tmp_path / "ckpt", ours, ours.config)
+    c = ours.config
+    slots = torch.randint(0, c.n_routed_experts, (c.num_hidden_layers, 3), generator=gen)
+    got = dict(iter_checkpoint(path, mtp=True, experts=slots))
+    full = ours.net.state_dict()
+    for layer in range(c.num_hidden_layers):
+        name = f"model.layers.{layer}.mlp.experts.gate_up_blocks"
+        assert torch.equal(got[name], full[name][slots[layer]])
+    name = "mtp.0.block.mlp.experts.down_scales"
+    assert got[name].shape[0] == c.n_routed_experts and torch.equal(got[name], full[name])

@@ -42,9 +42,11 @@ def _engine_worker(rank, world, seed, counts, async_scheduling, graphs, spec=Fal
     # fixed-capacity exchange; a rank without sequences runs a step of padding). spec:
     # verification rows of drafts from the reference's output, 30% of them wrong; each rank's
     # rows padded to the group's longest.
+    # spec "mtp": the MTP module drafts (whole on every rank: no exchange)
     llm = LLM(MODEL, ep=ep, decode_graphs=graphs,
-              speculative=SpeculativeConfig(3) if spec else None, **kw)
-    if spec:
+              speculative=(SpeculativeConfig(3, method="mtp") if spec == "mtp"
+                           else SpeculativeConfig(3) if spec else None), **kw)
+    if spec is True:
         futures = {tuple(p): w for p, w in zip(prompts, want)}
         rng, add = random.Random(seed + rank), llm.engine.add_request
 
@@ -67,7 +69,8 @@ def _engine_worker(rank, world, seed, counts, async_scheduling, graphs, spec=Fal
 
 @pytest.mark.parametrize("async_scheduling, graphs, spec",
                          [(True, False, False), (False, False, False), (True, True, False),
-                          (True, True, True)], ids=["zos", "sync", "zos-graphs", "spec-graphs"])
+                          (True, True, True), (True, True, "mtp")],
+                         ids=["zos", "sync", "zos-graphs", "spec-graphs", "mtp-graphs"])
 def test_ep_engine_greedy_equals_single_device(seed, async_scheduling, graphs, spec):
     # Rank 1 has no prompts in the first call and serves the others' tokens only.
     res = run_ranks(_engine_worker, 3, seed, [3, 0, 6], async_scheduling, graphs, spec)

@@ -129,9 +129,6 @@ class LLMEngine:
     def __init__(self, model: Model, cfg: EngineConfig, *, seed: int = 0, tokenizer=None) -> None:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
-        if mtp and model.net.ep is not None:
-            raise ValueError("speculative method 'mtp' is not supported with expert parallelism "
-                             "yet (use 'ngram')")
         if mtp and not len(model.net.mtp):
             raise ValueError("speculative method 'mtp' needs the model's MTP modules: load it "
                              "with zeroinfer.model.load(..., mtp=True)")

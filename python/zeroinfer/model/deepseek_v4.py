@@ -105,12 +105,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                  ep: ExpertParallel | None = None, *, mtp: bool = False) -> None:
         """ep: this rank's part in expert parallelism (zeroinfer.parallel); the routed experts
         are then its slots, and every forward is a collective of the group. mtp: build the
-        config's multi-token-prediction modules (the drafter of speculative decoding; not with
-        ep: their experts would have to be whole on every rank)."""
+        config's multi-token-prediction modules (the drafter of speculative decoding). Under
+        ep every rank holds a module whole, all its experts (one more layer's worth of expert
+        memory a rank), so that drafting needs no exchange."""
         super().__init__()
-        if mtp and ep is not None:
-            raise ValueError("DeepseekV4ForCausalLM: the MTP modules are not supported with "
-                             "expert parallelism yet")
         self.config, self.dtype, self.ep = config, dtype, ep
         self.model = DeepseekV4Model(config, dtype, ep)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)

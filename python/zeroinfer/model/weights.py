@@ -730,7 +730,8 @@ def iter_checkpoint(path, config: ModelConfig | None = None, *, mtp: bool = Fals
     safetensors headers before the first tensor is read. Raises FileNotFoundError / ValueError /
     TypeError naming the offending file or tensor.
 
-    mtp: read the config's MTP modules too (they must all be there); skipped otherwise.
+    mtp: read the config's MTP modules too (they must all be there; all E experts of theirs,
+    whatever `experts` says); skipped otherwise.
     experts: [num_hidden_layers, S] integer tensor, the logical routed expert of each of S slots
     a layer (an expert-parallel rank's: ExpertParallel.local_experts()). The expert buffers then
     hold those S experts in that order, and no other expert's bytes are read from the files."""
@@ -738,15 +739,13 @@ def iter_checkpoint(path, config: ModelConfig | None = None, *, mtp: bool = Fals
     if config is None:
         config = ModelConfig.from_pretrained(path)
     files = _Files(path)
-    if mtp and experts is not None:
-        raise ValueError("iter_checkpoint: the MTP modules are not read for an expert-parallel "
-                         "rank (experts=)")
     params = _expected(config, mtp)
     slots = _expert_slots(experts, config)
     recipes = _plan(files, config, params, mtp)  # (checks the files' shapes: all E experts)
-    if slots is not None:  # what comes out: S slots
+    L = config.num_hidden_layers
+    if slots is not None:  # what comes out: S slots (of the main layers; an MTP block all E)
         for name, t in params.items():
-            if EXPERT_BUFFER.match(name):
+            if (m := EXPERT_BUFFER.match(name)) and int(m[1]) < L:
                 params[name] = t.new_empty((len(slots[0]), *t.shape[1:]))
     order = {k: i for i, k in enumerate(files.entries)}
     recipes.sort(key=lambda r: min(order[k] for k in r.keys))
@@ -755,14 +754,14 @@ def iter_checkpoint(path, config: ModelConfig | None = None, *, mtp: bool = Fals
         layer = r.layer
         if layer < 0 and (m := EXPERT_BUFFER.match(r.targets[0])):  # our own names, stored
             layer = int(m[1])
-        for name, t in _run(files, r, config, None if slots is None or layer < 0
+        for name, t in _run(files, r, config, None if slots is None or not 0 <= layer < L
                             else slots[layer]):
             want = params[name]
             if tuple(t.shape) != tuple(want.shape):  # cannot happen after _plan; belt and braces
                 raise ValueError(f"{path}: {name!r} came out with shape {tuple(t.shape)}, "
                                  f"expected {tuple(want.shape)}")
             done.add(name)
-            yield real_name(name, config.num_hidden_layers), t
+            yield real_name(name, L), t
     missing = [n for n in params if n not in done]
     if missing:
         raise ValueError(f"{path}: missing tensor(s) {missing[:8]}")
