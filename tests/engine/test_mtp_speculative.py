@@ -15,7 +15,7 @@ import torch
 from zeroinfer.engine.engine import EngineConfig, LLMEngine, kv_bytes_per_token
 from zeroinfer.engine.speculative import SpeculativeConfig
 from zeroinfer.model import load
-from zeroinfer.sampling_params import SamplingParams
+from zeroinfer.testing.drafts import speculative_workload
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +24,7 @@ def model():
 
 
 def _workload(rng: random.Random, n: int, vocab: int):
-    work = []
-    for _ in range(n):
-        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 40))]
-        params = SamplingParams(
-            temperature=rng.choice([0.0, 0.0, 0.8]), top_k=rng.choice([0, 20]),
-            max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5, logprobs=1,
-            stop_token_ids=[rng.randrange(2, vocab) for _ in range(rng.randint(0, 4))],
-            seed=rng.randrange(2**31))
-        work.append((prompt, params))
-    return work
+    return speculative_workload(rng, n, vocab, repetitive=False, max_stops=4)
 
 
 def _run(model, work, *, spec=None, graphs=False, chunk=64, record=None, forbid_sync=False):

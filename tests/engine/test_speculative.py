@@ -16,8 +16,7 @@ from zeroinfer.engine.engine import EngineConfig, LLMEngine, kv_bytes_per_token
 from zeroinfer.engine.spec_state import SpeculativeState
 from zeroinfer.engine.speculative import NgramIndex, SpeculativeConfig
 from zeroinfer.model import load
-from zeroinfer.sampling_params import SamplingParams
-from zeroinfer.testing.drafts import FutureDrafter, draft_on_device_from
+from zeroinfer.testing.drafts import FutureDrafter, draft_on_device_from, speculative_workload
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +114,7 @@ def test_cuda_epilogue_graphs_match_eager(gen):
 
 
 def _workload(rng: random.Random, n: int, vocab: int):
-    work = []
-    for _ in range(n):
-        motif = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 4))]
-        prompt = (motif * 12)[:rng.randint(1, 40)]  # repetitive: the n-gram drafter proposes
-        params = SamplingParams(
-            temperature=rng.choice([0.0, 0.0, 0.8]), top_k=rng.choice([0, 20]),
-            max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5, logprobs=1,
-            stop_token_ids=[rng.randrange(2, vocab) for _ in range(rng.randint(0, 6))],
-            seed=rng.randrange(2**31))
-        work.append((prompt, params))
-    return work
+    return speculative_workload(rng, n, vocab, repetitive=True)
 
 
 def _run(model, work, *, speculative=None, drafter=None, kv_tokens=2000, graphs=False,

@@ -9,6 +9,29 @@ from __future__ import annotations
 import random
 
 
+def speculative_workload(rng: random.Random, n: int, vocab: int, *, repetitive: bool,
+                         max_stops: int = 6) -> list:
+    """n (prompt, SamplingParams) pairs for speculative-decoding tests: greedy and seeded
+    sampling, top-k, logprobs, stop tokens and length limits that can fall inside accepted
+    drafts. repetitive: prompts that repeat a short motif (the n-gram drafter finds matches)."""
+    from zeroinfer.sampling_params import SamplingParams
+
+    work = []
+    for _ in range(n):
+        if repetitive:
+            motif = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 4))]
+            prompt = (motif * 12)[:rng.randint(1, 40)]
+        else:
+            prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 40))]
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.0, 0.8]), top_k=rng.choice([0, 20]),
+            max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.5, logprobs=1,
+            stop_token_ids=[rng.randrange(2, vocab) for _ in range(rng.randint(0, max_stops))],
+            seed=rng.randrange(2**31))
+        work.append((prompt, params))
+    return work
+
+
 class FutureDrafter:
     def __init__(self, future: list[int], rng: random.Random, wrong: float, vocab: int,
                  *, full: bool = False) -> None:
