@@ -7,6 +7,7 @@ tests/model/test_mtp.py checks against HF's modules)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -27,10 +28,11 @@ def _workload(rng: random.Random, n: int, vocab: int):
     return speculative_workload(rng, n, vocab, repetitive=False, max_stops=4)
 
 
-def _run(model, work, *, spec=None, graphs=False, chunk=64, record=None, forbid_sync=False):
+def _run(model, work, *, spec=None, graphs=False, chunk=64, record=None, forbid_sync=False,
+         kv_tokens=2000):
     cfg = EngineConfig(max_num_seqs=8, max_model_len=96, max_num_batched_tokens=chunk,
-                       kv_cache_bytes=int(2000 * sum(kv_bytes_per_token(model, mtp=True)
-                                                     .values())),
+                       kv_cache_bytes=int(kv_tokens * sum(kv_bytes_per_token(model, mtp=True)
+                                                          .values())),
                        decode_graphs=graphs, speculative=spec, forbid_host_sync=forbid_sync)
     eng = LLMEngine(model, cfg, seed=3)
     reqs = [eng.add_request(p, sp) for p, sp in work]
@@ -78,6 +80,20 @@ def _drafts_oracle(model, seq: list[int], D: int) -> tuple[list[int], float]:
     return drafts, margin
 
 
+def _check_drafts(model, rows, min_margin: float = 1e-4) -> int:
+    """Every recorded verification row's drafts against the module's chain from the committed
+    sequence (rows whose chain has a near-tie argmax are skipped); returns how many it
+    checked."""
+    checked = 0
+    for req, start, ids in rows:
+        seq = (req.prompt_ids + req.output_ids)[:start] + [ids[0]]
+        want, margin = _drafts_oracle(model, seq, len(ids) - 1)
+        if margin >= min_margin:
+            assert ids[1:] == want, (start, ids, want)
+            checked += 1
+    return checked
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["sync", "pipelined"])
 def test_mtp_drafts_keep_plain_tokens_and_are_the_modules(model, gen, graphs):
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
@@ -97,15 +113,25 @@ def test_mtp_drafts_keep_plain_tokens_and_are_the_modules(model, gen, graphs):
     if graphs:
         assert eng.spec_pipelined and s.num_pipelined > 0
     # every verified row's drafts are the module's chain from the committed sequence
-    checked = 0
-    for req, start, ids in rows:
-        seq = (req.prompt_ids + req.output_ids)[:start] + [ids[0]]
-        want, margin = _drafts_oracle(model, seq, len(ids) - 1)
-        if margin < 1e-4:
-            continue
-        assert ids[1:] == want, (start, ids, want)
-        checked += 1
-    assert checked > 0
+    assert _check_drafts(model, rows) > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["sync", "pipelined"])
+def test_mtp_drafts_under_preemption(model, gen, graphs):
+    """A KV budget that forces preemptions (recompute: the module's cache entries go with the
+    blocks and are made again by the recomputing prefill): plain decoding's tokens, and the
+    drafts still the module's chain."""
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    work = [([rng.randrange(2, model.config.vocab_size) for _ in range(30)],
+             dataclasses.replace(sp, max_tokens=40, ignore_eos=True, stop_token_ids=()))
+            for _, sp in _workload(rng, 8, model.config.vocab_size)]
+    plain, _ = _run(model, work, kv_tokens=220)
+    rows: list = []
+    got, eng = _run(model, work, spec=SpeculativeConfig(3, method="mtp"), graphs=graphs,
+                    chunk=16, record=rows, kv_tokens=220)
+    assert [(a, r) for a, r, _ in plain] == [(a, r) for a, r, _ in got]
+    assert eng.scheduler.num_preemptions > 0
+    assert _check_drafts(model, rows[::4]) > 0
 
 
 @pytest.mark.gpu
@@ -125,14 +151,7 @@ def test_cuda_mtp_drafts_in_pipelined_graph_rounds(gen):
     assert eng.spec_pipelined and eng.scheduler.num_pipelined > 0
     steps = eng.runner.graphs.steps
     assert any(k[1] > 1 and st.graph is not None for k, st in steps.items())
-    checked = 0
-    for req, start, ids in rows[:40]:
-        seq = (req.prompt_ids + req.output_ids)[:start] + [ids[0]]
-        want, margin = _drafts_oracle(model, seq, len(ids) - 1)
-        if margin >= 1e-3:
-            assert ids[1:] == want, (start, ids, want)
-            checked += 1
-    assert checked > 0
+    assert _check_drafts(model, rows[:40], 1e-3) > 0
 
 
 def test_mtp_config_errors():
