@@ -8,7 +8,9 @@ token, then the drafts) with the number of real drafts. `advance` runs after eve
 draws, on the device: it keeps each row's inputs in the history, finds how many drafts the
 draws confirm, writes the emitted tokens, and drafts the next row by n-gram lookup over the
 history - NgramIndex's rule (engine/speculative.py: the latest earlier occurrence of the
-longest suffix n-gram, with a continuation), vectorised over the rows.
+longest suffix n-gram, with a continuation), vectorised over the rows. With the MTP drafter
+(method "mtp") the lookup is off: engine/mtp_drafter.py writes the drafts after the epilogue
+(`set_drafts`).
 
 `advance` is ~140 small device operations: launched one by one from the host they cost more
 than a small batch's forward (the H100 bench at batch 1: launch time 0.86 -> 1.4-4.5 ms a round).
