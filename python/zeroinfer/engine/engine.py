@@ -56,8 +56,8 @@ class EngineConfig:
     # "auto": the K=V caches in the activation dtype; "fp8": in the V4 FP8 layout (584 bytes a
     # vector: 448 e4m3 NoPE values with 7 power-of-two scales, 64 bf16 RoPE values).
     kv_cache_dtype: str = "auto"
-    # Speculative decoding by n-gram lookup (None: off). Its rounds are pipelined where decode
-    # graphs are on (LLMEngine.spec_pipelined), synchronous otherwise.
+    # Speculative decoding, by n-gram lookup or the model's MTP module (None: off). Its rounds
+    # are pipelined where decode graphs are on (LLMEngine.spec_pipelined), synchronous otherwise.
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -76,6 +76,11 @@ class EngineConfig:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be None or a SpeculativeConfig, got "
                              f"{type(self.speculative).__name__}")
+
+    @property
+    def mtp(self) -> bool:
+        """Whether speculative decoding drafts with the model's MTP module."""
+        return self.speculative is not None and self.speculative.method == "mtp"
 
     @property
     def num_draft_tokens(self) -> int:
@@ -104,8 +109,7 @@ def kv_bytes_per_token(model: Model, kv_cache_dtype: str = "auto",
 
 
 def cache_spec(model: Model, cfg: EngineConfig) -> CacheSpec:
-    per_tok = kv_bytes_per_token(model, cfg.kv_cache_dtype, cfg.speculative is not None
-                                 and cfg.speculative.method == "mtp")
+    per_tok = kv_bytes_per_token(model, cfg.kv_cache_dtype, cfg.mtp)
     c = model.config
     cdiv = lambda a, b: -(-a // b)  # noqa: E731
     if cfg.kv_cache_bytes is None:  # room for max_num_seqs sequences of max_model_len tokens
@@ -128,13 +132,12 @@ def cache_spec(model: Model, cfg: EngineConfig) -> CacheSpec:
 class LLMEngine:
     def __init__(self, model: Model, cfg: EngineConfig, *, seed: int = 0, tokenizer=None) -> None:
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
-        mtp = cfg.speculative is not None and cfg.speculative.method == "mtp"
-        if mtp and not len(model.net.mtp):
+        if cfg.mtp and not len(model.net.mtp):
             raise ValueError("speculative method 'mtp' needs the model's MTP modules: load it "
                              "with zeroinfer.model.load(..., mtp=True)")
         self.spec = cache_spec(model, cfg)
         caches = allocate_caches(model.config, self.spec, model.net.dtype, model.device,
-                                 mtp=int(mtp))
+                                 mtp=int(cfg.mtp))
         self.blocks = BlockManager(model.config, self.spec)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,

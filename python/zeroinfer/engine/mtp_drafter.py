@@ -25,10 +25,13 @@ so the warm-up may run on real rows), the same padded form eagerly on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from zeroinfer.model.cache import ForwardBatch, LayerCache, pool_block_size
+from zeroinfer.model.decode_graph import capture_graph
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 
 
@@ -63,12 +66,10 @@ class MtpDrafter:
         draws at the token indices draw_at (None: all of the first R rows' q tokens), kept [R]
         the rows' accepted drafts. Returns the R rows' drafts [R, D] (the class's output)."""
         got = self.fixed.get(id(step))
-        if got is None or got[0] is not step:
+        fresh = got is None or got[0] is not step  # (a step made after DecodeGraphs.reset)
+        if fresh:
             got = self.fixed[id(step)] = (step, _FixedDrafts(step.rows, step.tokens, self.D,
                                                              draws.device))
-            fresh = True
-        else:
-            fresh = False
         f = got[1]
         R = kept.shape[0]
         f.nxt.zero_()
@@ -90,25 +91,11 @@ class MtpDrafter:
         f.drafts.copy_(self.draft(step.batch(), step.streams, f.nxt, f.acc, f.row_seq))
 
     def _capture(self, step, f: _FixedDrafts) -> None:
-        """Run the class's drafts (warm-up, on a side stream as torch asks: on this round's
-        rows, which the drafts need anyway), then capture them. Capturing synchronises the
-        device, once a class: the engine's sync guard is lifted for it."""
-        dev = f.nxt.device
+        """Capture the class's drafts; the warm-up runs them on this round's rows, which the
+        drafts need anyway."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        guard = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                self._draft_into(step, f)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            f.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(f.graph, pool=self.pool):
-                self._draft_into(step, f)
-        finally:
-            torch.cuda.set_sync_debug_mode(guard)
+        f.graph, _ = capture_graph(lambda: self._draft_into(step, f), f.nxt.device, self.pool)
 
     @torch.inference_mode()
     def draft(self, batch: ForwardBatch, streams: torch.Tensor, next_ids: torch.Tensor,
@@ -119,11 +106,7 @@ class MtpDrafter:
         the token index (in batch order) of each sampling row's accepted position, and row_seq
         [R] its sequence index in the batch; None when the round samples nothing. Returns the
         drafts [R, D] int64 (greedy), or None."""
-        mtp_batch = ForwardBatch(
-            input_ids=next_ids, positions=batch.positions, cu_seqlens=batch.cu_seqlens,
-            context_lens=batch.context_lens, window_tables=batch.window_tables,
-            csa_tables=batch.csa_tables, hca_tables=batch.hca_tables,
-            state_slots=batch.state_slots, seq=batch.seq, decode=batch.decode)
+        mtp_batch = dataclasses.replace(batch, input_ids=next_ids)  # (its own derived values)
         logits, out = self.net.mtp_forward(streams, next_ids, mtp_batch, self.cache,
                                            logits_rows=accepted)
         if accepted is None:

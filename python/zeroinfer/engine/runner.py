@@ -19,11 +19,11 @@ from contextlib import contextmanager
 import torch
 
 from zeroinfer import ops
+from zeroinfer.engine.mtp_drafter import MtpDrafter
 from zeroinfer.engine.scheduler import RoundResult, ScheduledBatch
 from zeroinfer.engine.spec_state import SpeculativeState
 from zeroinfer.model.cache import ForwardBatch, LayerCache, host_tensor
 from zeroinfer.model.decode_graph import DecodeGraphs
-from zeroinfer.engine.mtp_drafter import MtpDrafter
 from zeroinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from zeroinfer.sampling.sampler import SamplingBatch, sample
 
@@ -563,9 +563,8 @@ class ModelRunner:
             shift, draw_at, first, base = [], [], [], 0
             for r in rows:  # (fb: the eager forward's batch, the rows one after another)
                 n, end = r.num_tokens, r.start + r.num_tokens
-                known = len(r.req.prompt_ids) + len(r.req.output_ids)
                 # the token after the row's last: the prompt's (a chunk), else drawn here
-                shift += r.token_ids[1:] + [r.req.token_at(end) if end < known else 0]
+                shift += r.token_ids[1:] + [r.req.token_at(end) if end < r.req.num_known else 0]
                 if r.sample:
                     m = r.num_samples
                     draw_at += range(base + n - m, base + n)

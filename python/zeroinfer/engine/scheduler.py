@@ -86,7 +86,7 @@ class RoundResult:
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, speculative: SpeculativeConfig | None = None) -> None:
-        """speculative: decode rows verify n-gram drafts. `schedule` builds them from committed
+        """speculative: decode rows verify drafts. `schedule` builds them from committed
         tokens (the round before committed); `schedule_pipelined` builds the round after one
         in flight from the device's speculative state."""
         self.blocks = blocks

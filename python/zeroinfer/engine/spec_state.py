@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from zeroinfer.engine.speculative import SpeculativeConfig
-from zeroinfer.model.decode_graph import ROW_BUCKETS, row_bucket
+from zeroinfer.model.decode_graph import ROW_BUCKETS, capture_graph, row_bucket
 
 
 class SpeculativeState:
@@ -101,24 +101,13 @@ class SpeculativeState:
 
     def _make_class(self, n: int, q: int) -> tuple:
         """A class's fixed tensors, and on a GPU its graph, captured on padding rows alone (they
-        write only the scratch slot) after a warm-up on a side stream, as torch asks."""
+        write only the scratch slot)."""
         packed, padding = self._padding(n, q), self._padding(n, q)
         kept = torch.zeros(n, dtype=torch.int64, device=packed.device)
         if not self.capture:
             return packed, padding, kept, None
-        guard = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)  # (capture synchronises the device, once a class)
-        try:
-            side = torch.cuda.Stream(packed.device)
-            side.wait_stream(torch.cuda.current_stream(packed.device))
-            with torch.cuda.stream(side):
-                self._advance_packed(packed, q, kept)
-            torch.cuda.current_stream(packed.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._advance_packed(packed, q, kept)
-        finally:
-            torch.cuda.set_sync_debug_mode(guard)
+        graph, _ = capture_graph(lambda: self._advance_packed(packed, q, kept), packed.device,
+                                 self.pool)
         return packed, padding, kept, graph
 
     def _advance(self, slots, ctx, ids, drafts, draws) -> torch.Tensor:

@@ -27,7 +27,7 @@ rank captures alone); replays exchange for real.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -36,6 +36,30 @@ from zeroinfer.model.cache import DecodeRows, ForwardBatch, LayerCache, host_ten
 # Row counts a graph is made for: a step of S rows runs in the first bucket >= S.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 KINDS = ("window", "csa", "hca")
+
+
+def capture_graph(fn, device: torch.device, pool, *, warmups: int = 1, warm_ctx=nullcontext,
+                  capture_ctx=nullcontext):
+    """Run fn() `warmups` times on a side stream (as torch asks before a capture), then capture
+    it into a CUDA graph sharing the memory `pool`; returns (graph, what the captured fn()
+    returned). warm_ctx / capture_ctx: context factories entered around the warm-ups and the
+    capture. Capturing synchronises the device (torch does, on entry), once a graph: the
+    engine's sync guard (torch's sync debug mode) is lifted for it."""
+    guard = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), warm_ctx():
+            for _ in range(warmups):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), capture_ctx():
+            out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(guard)
+    return graph, out
 
 
 def row_bucket(rows: int) -> int:
@@ -217,22 +241,10 @@ class DecodeGraphs:
             step.tables[k].copy_(host_tensor(rows, self.device, torch.int32), non_blocking=True)
 
     def _capture(self, step: FixedStep) -> None:
-        """Capture the class's graph on padding rows alone (every write to scratch); warm-up
-        runs first, on a side stream, as torch asks. Capturing synchronises the device (torch
-        does, on entry), once a class: the engine's sync guard (torch's sync debug mode) is
-        lifted for it."""
+        """Capture the class's graph on padding rows alone (every write to scratch), after two
+        warm-ups (capture_graph); the warm-ups exchange nothing (loopback)."""
         self._fill(step, [], [], [], {k: [] for k in KINDS})
-        guard = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), self._exchange(step, loopback=True):
-                for _ in range(2):
-                    self.net(step.batch(), self.caches)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            step.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(step.graph, pool=self.pool), self._exchange(step):
-                step.logits = self._forward(step)
-        finally:
-            torch.cuda.set_sync_debug_mode(guard)
+        step.graph, step.logits = capture_graph(
+            lambda: self._forward(step), self.device, self.pool, warmups=2,
+            warm_ctx=lambda: self._exchange(step, loopback=True),
+            capture_ctx=lambda: self._exchange(step))
