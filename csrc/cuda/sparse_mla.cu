@@ -272,6 +272,22 @@ __device__ __forceinline__ void load_tile_bf16(const RowRef* refs, const void* d
   }
 }
 
+// 64 heads (wgmma): warpgroup cg reads only 64-dim panels 4 cg ..+4 of a tile (its half of the
+// dims in S, and its half of the output dims in P V), so it copies that half of every row itself,
+// 16-row group `r` at a time: rows 16 r + tid / 8, chunk tid % 8 of each of its four panels
+// (eight lanes fill a panel's line, as in load_tile_bf16). Thread `tid` of the warpgroup's 128.
+__device__ __forceinline__ void load_rows_bf16_half(const RowRef* refs, const void* dummy,
+                                                    uint8_t* dst, int tid, int cg, int r) {
+  const int j = tid & 7, e = (tid >> 3) + 16 * r;
+  const RowRef ref = refs[e];
+  const bool valid = ref.row != nullptr;
+  const uint8_t* src =
+      (valid ? ref.row : static_cast<const uint8_t*>(dummy)) + cg * (kRowBytes / 2) + j * 16;
+  const uint32_t base = smem_u32(dst) + 4 * cg * (kTileN * 128) + e * 128 + ((j ^ (e & 7)) << 4);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) cp_async16(base + p * (kTileN * 128), src + p * 128, valid);
+}
+
 __device__ __forceinline__ uint4 ldg_stream16(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
@@ -727,7 +743,9 @@ __device__ __forceinline__ void scores(float (&s)[Geom<R>::NT][4], uint32_t q_ba
 
 // O += P V over this warp's output dims (P in shared memory, V = the tile at k_base). wgmma:
 // issued asynchronously, finished by pv_wait; mma.sync: complete on return.
-template <int R>
+// kGroups (wgmma): one commit group a 16-entry step (ks), so that the rows a step reads can be
+// refilled as soon as it retires (the bf16 kernel's early copies).
+template <int R, bool kGroups = false>
 __device__ __forceinline__ void pv_issue(float (&acc)[Geom<R>::OT][4], uint32_t p_base,
                                          uint32_t k_base, int rg, int cg, int lane) {
   using G = Geom<R>;
@@ -746,8 +764,9 @@ __device__ __forceinline__ void pv_issue(float (&acc)[Geom<R>::OT][4], uint32_t 
         const uint32_t voff = half * 2 * (kTileN * 128) + ks * 16 * 128;
         wgmma::wgmma_m64n128k16_bf16_tb(od, dp + ((ks * 32) >> 4), dv + (voff >> 4), true);
       }
+      if (kGroups) wgmma::commit();
     }
-    wgmma::commit();
+    if (!kGroups) wgmma::commit();
   } else {
     static_assert(G::kDimsPerWarp % 64 == 0, "a warp's dims start on a 64-dim panel");
     // Fixed rows and chunk parities again (see scores): P row rg*16 + lane % 16, chunk
@@ -883,12 +902,6 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
 
   load_q<R>(a, t, head0, sQ);
 
-  // Tile `it` of this split lives in buffer it % 2 with its row references in sRefs[it % 2] and
-  // its validity flags in sValid[it % 3]. Threads 0..63 own one list entry each: they fetch a
-  // tile's slots two iterations before its copies and resolve them one iteration before, so the
-  // copies of tile it + 1 go out right after iteration it's barrier, from references published
-  // before it (one barrier a tile for the copies, not two). The flags of tile it + 2, published
-  // during iteration it, need a third buffer: tile it's softmax still reads its own.
   const bool owner = threadIdx.x < kTileN;
   auto publish = [&](int32_t slot, int which, int tile) {
     sRefs[(tile & 1) * kTileN + threadIdx.x] = resolve<false>(a, slot, which);
@@ -896,22 +909,6 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
   };
   int32_t pf_slot = -1;
   int pf_which = 0;
-  // Prologue: tile 0 published and its copies issued (the Q copies join its group), then tile 1
-  // published (visible at the loop's first barrier) and tile 2's slots fetched, under tile 0's
-  // copies.
-  if (owner) {
-    fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
-    publish(pf_slot, pf_which, 0);
-  }
-  __syncthreads();
-  if (n > 0) load_tile_bf16<kThreads>(sRefs, a.q, sK, threadIdx.x);
-  cp_async_commit();
-  if (owner) {
-    fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
-    publish(pf_slot, pf_which, 1);
-    fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
-  }
-
   float acc[G::OT][4];
 #pragma unroll
   for (int j = 0; j < G::OT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -920,30 +917,120 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
   const uint32_t q_base = smem_u32(sQ);
   const uint32_t p_base = smem_u32(sP);
 
-  for (int it = 0; it < n; ++it) {
-    const int stage = it % kStages;
-    cp_async_wait<kStages - 2>();  // tile `it` (and Q) landed for this thread's copies
-    if constexpr (G::kWgmma) wgmma::fence_proxy_async();  // cp.async data -> tensor-core reads
-    __syncthreads();  // ... and everyone's; all warps are done with tile it-1
-    uint8_t* kt = sK + stage * kTileN * kRowBytes;
-    const int ahead = it + 1;  // the tile whose copies are issued now
-    if (ahead < n)
-      load_tile_bf16<kThreads>(sRefs + (ahead & 1) * kTileN, a.q,
-                               sK + (ahead % kStages) * kTileN * kRowBytes, threadIdx.x);
-    cp_async_commit();
-    // (Into tile it's reference buffer: its copies were issued before the barrier above.)
+  if constexpr (G::kWgmma) {
+    // 64 heads: each warpgroup copies its own half of the rows (load_rows_bf16_half), and tile
+    // it + 2's rows go into buffer it % 2 during tile it's P V, a 16-row group as soon as the P V
+    // step that reads it retired (four commit groups a tile, wgmma and cp.async alike), instead
+    // of all at once after the next tile's barrier: the copies, which the tile waits on with two
+    // buffers (sparse_mla_NOTES.md, sessions 17-18, 32), start ~3/8 of a P V earlier on average.
+    // A tile's row references and flags are published two iterations ahead (by threads 0..63,
+    // visible to both warpgroups after the scores exchange, before that P V).
+    const int wtid = threadIdx.x & 127;
+    auto copy_tile = [&](int tile, int buf) {  // the prologue's tiles: four groups each
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if (tile < n)
+          load_rows_bf16_half(sRefs + (tile & 1) * kTileN, a.q, sK + buf * kTileN * kRowBytes,
+                              wtid, cg, r);
+        cp_async_commit();
+      }
+    };
     if (owner) {
-      publish(pf_slot, pf_which, it + 2);
-      fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+      fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
+      publish(pf_slot, pf_which, 0);
     }
-    const uint32_t k_base = smem_u32(kt);
+    __syncthreads();
+    copy_tile(0, 0);  // (Q's copies join its first group)
+    if (owner) {
+      fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+      publish(pf_slot, pf_which, 1);
+    }
+    __syncthreads();
+    copy_tile(1, 1);
+    if (owner) fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
 
-    float s[G::NT][4];
-    scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
-    softmax_and_rescale<R>(s, acc, sValid + (it % 3) * kTileN, sRed + (it & 1) * (R * 16 * G::C),
-                           sP, rg, cg, g, q4, a.scale_log2, m_run, l_run);
-    pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
-    pv_wait<R>(acc);
+    for (int it = 0; it < n; ++it) {
+      cp_async_wait<4>();  // tile it (and Q) landed for this thread's copies; it + 1's may not
+      wgmma::fence_proxy_async();  // cp.async data -> tensor-core reads
+      // Only this warpgroup reads its panels: its own barrier (ids 1..4 are row_group_sync's).
+      asm volatile("bar.sync %0, 128;\n" ::"r"(5 + cg) : "memory");
+      if (owner) {
+        publish(pf_slot, pf_which, it + 2);
+        fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+      }
+      uint8_t* kt = sK + (it & 1) * kTileN * kRowBytes;
+      const uint32_t k_base = smem_u32(kt);
+      float s[G::NT][4];
+      scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
+      softmax_and_rescale<R>(s, acc, sValid + (it % 3) * kTileN,
+                             sRed + (it & 1) * (R * 16 * G::C), sP, rg, cg, g, q4, a.scale_log2,
+                             m_run, l_run);
+      pv_issue<R, true>(acc, p_base, k_base, rg, cg, lane);
+      const bool more = it + 2 < n;
+      const RowRef* refs2 = sRefs + (it & 1) * kTileN;  // tile it + 2's (published above)
+      auto refill = [&](int r) {
+        if (more) load_rows_bf16_half(refs2, a.q, kt, wtid, cg, r);
+        cp_async_commit();
+      };
+      wgmma::wait<3>();
+      refill(0);
+      wgmma::wait<2>();
+      refill(1);
+      wgmma::wait<1>();
+      refill(2);
+      wgmma::wait<0>();
+      refill(3);
+      wgmma::fence_operands(reinterpret_cast<float(&)[G::OT * 4]>(acc[0][0]));
+    }
+  } else {
+    // Tile `it` of this split lives in buffer it % 2 with its row references in sRefs[it % 2]
+    // and its validity flags in sValid[it % 3]. Threads 0..63 own one list entry each: they
+    // fetch a tile's slots two iterations before its copies and resolve them one iteration
+    // before, so the copies of tile it + 1 go out right after iteration it's barrier, from
+    // references published before it (one barrier a tile for the copies, not two). The flags of
+    // tile it + 2, published during iteration it, need a third buffer: tile it's softmax still
+    // reads its own.
+    // Prologue: tile 0 published and its copies issued (the Q copies join its group), then tile
+    // 1 published (visible at the loop's first barrier) and tile 2's slots fetched, under tile
+    // 0's copies.
+    if (owner) {
+      fetch_slot(a, t, tile_begin, tile_end, threadIdx.x, pf_slot, pf_which);
+      publish(pf_slot, pf_which, 0);
+    }
+    __syncthreads();
+    if (n > 0) load_tile_bf16<kThreads>(sRefs, a.q, sK, threadIdx.x);
+    cp_async_commit();
+    if (owner) {
+      fetch_slot(a, t, tile_begin + 1, tile_end, threadIdx.x, pf_slot, pf_which);
+      publish(pf_slot, pf_which, 1);
+      fetch_slot(a, t, tile_begin + 2, tile_end, threadIdx.x, pf_slot, pf_which);
+    }
+
+    for (int it = 0; it < n; ++it) {
+      const int stage = it % kStages;
+      cp_async_wait<kStages - 2>();  // tile `it` (and Q) landed for this thread's copies
+      __syncthreads();  // ... and everyone's; all warps are done with tile it-1
+      uint8_t* kt = sK + stage * kTileN * kRowBytes;
+      const int ahead = it + 1;  // the tile whose copies are issued now
+      if (ahead < n)
+        load_tile_bf16<kThreads>(sRefs + (ahead & 1) * kTileN, a.q,
+                                 sK + (ahead % kStages) * kTileN * kRowBytes, threadIdx.x);
+      cp_async_commit();
+      // (Into tile it's reference buffer: its copies were issued before the barrier above.)
+      if (owner) {
+        publish(pf_slot, pf_which, it + 2);
+        fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
+      }
+      const uint32_t k_base = smem_u32(kt);
+
+      float s[G::NT][4];
+      scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
+      softmax_and_rescale<R>(s, acc, sValid + (it % 3) * kTileN,
+                             sRed + (it & 1) * (R * 16 * G::C), sP, rg, cg, g, q4, a.scale_log2,
+                             m_run, l_run);
+      pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
+      pv_wait<R>(acc);
+    }
   }
   cp_async_wait<0>();
 
