@@ -30,16 +30,23 @@ def write_results():
 def test_bf16_cuda_tracks_fp32_cpu(name, gen):
     ref = load(f"dummy:{name}", seed=3)
     gpu = load(f"dummy:{name}", seed=3, dtype=torch.bfloat16, device="cuda")
-    ids = torch.randint(2, ref.config.vocab_size, (96,), generator=gen).tolist()
-    want = ref.logits(ids)
-    got = gpu.logits(ids).cpu()
+    # Three independent 96-token draws, pooled: one bf16 flip of a discrete choice early in a
+    # sequence (an indexer top-k, a router) moves every later token of that sequence, so a single
+    # draw's median swings with the draw (an H200 run, seed 1468361464: median 0.9983, 78% of
+    # tokens over 0.99, where typical draws give 0.9999 and 90-96%); pooled, a flip stays the
+    # minority the bounds below allow for.
+    draws = [torch.randint(2, ref.config.vocab_size, (96,), generator=gen).tolist()
+             for _ in range(3)]
+    want = torch.cat([ref.logits(ids) for ids in draws])
+    got = torch.cat([gpu.logits(ids).cpu() for ids in draws])
+    ids = draws[0]
     cos_tok = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     prompt = ids[:24]
     g_ref, g_gpu = ref.greedy(prompt, 32), gpu.greedy(prompt, 32)
     agree = next((i for i, (a, b) in enumerate(zip(g_ref, g_gpu)) if a != b), len(g_ref))
     RESULTS[name] = {
-        "tokens": len(ids),
+        "tokens": len(cos_tok),
         "median_token_cosine": cos_tok.median().item(),
         "fraction_tokens_cosine_gt_0.99": (cos_tok > 0.99).float().mean().item(),
         "min_token_cosine": cos_tok.min().item(),
