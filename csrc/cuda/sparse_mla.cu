@@ -6,7 +6,9 @@
 // One CTA covers 16*R query heads of one token (R = 1, 2 or 4 row groups of 16 heads; more heads
 // take more CTAs) over tiles of kTileN = 64 list entries, dequantised or copied ONCE per CTA into
 // a bf16 tile that all its heads share:
-//   bf16 cache (sparse_mla_bf16_kernel): rows gathered by cp.async into a double-buffered tile.
+//   bf16 cache (sparse_mla_bf16_kernel): rows gathered by cp.async into a double-buffered tile
+//     (64 heads: each warpgroup copies the half of the rows it reads, tile it + 2's rows during
+//     tile it's P V, a 16-row group as soon as the P V step that read its place retired).
 //   FP8 cache (sparse_mla_fp8_kernel): the kThreads/64 threads that own a list entry load its row
 //     into registers one tile ahead (after an L2 prefetch one tile earlier still) and dequantise
 //     it exactly with bit moves and one bf16x2 multiply a pair, into the tile the MMA does not
