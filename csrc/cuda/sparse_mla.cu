@@ -918,6 +918,13 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
   float l_run[2] = {0.f, 0.f};              // this thread's partial sums
   const uint32_t q_base = smem_u32(sQ);
   const uint32_t p_base = smem_u32(sP);
+  // S and the softmax of tile `it` (at k_base); P in shared memory on return.
+  auto scores_softmax = [&](int it, uint32_t k_base) {
+    float s[G::NT][4];
+    scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
+    softmax_and_rescale<R>(s, acc, sValid + (it % 3) * kTileN, sRed + (it & 1) * (R * 16 * G::C),
+                           sP, rg, cg, g, q4, a.scale_log2, m_run, l_run);
+  };
 
   if constexpr (G::kWgmma) {
     // 64 heads: each warpgroup copies its own half of the rows (load_rows_bf16_half), and tile
@@ -962,11 +969,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
       }
       uint8_t* kt = sK + (it & 1) * kTileN * kRowBytes;
       const uint32_t k_base = smem_u32(kt);
-      float s[G::NT][4];
-      scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
-      softmax_and_rescale<R>(s, acc, sValid + (it % 3) * kTileN,
-                             sRed + (it & 1) * (R * 16 * G::C), sP, rg, cg, g, q4, a.scale_log2,
-                             m_run, l_run);
+      scores_softmax(it, k_base);
       pv_issue<R, true>(acc, p_base, k_base, rg, cg, lane);
       const bool more = it + 2 < n;
       const RowRef* refs2 = sRefs + (it & 1) * kTileN;  // tile it + 2's (published above)
@@ -1024,12 +1027,7 @@ __global__ void __launch_bounds__(Geom<R>::kThreads, 1) sparse_mla_bf16_kernel(c
         fetch_slot(a, t, tile_begin + it + 3, tile_end, threadIdx.x, pf_slot, pf_which);
       }
       const uint32_t k_base = smem_u32(kt);
-
-      float s[G::NT][4];
-      scores<R>(s, q_base, k_base, rg, cg, lane, sXchg);
-      softmax_and_rescale<R>(s, acc, sValid + (it % 3) * kTileN,
-                             sRed + (it & 1) * (R * 16 * G::C), sP, rg, cg, g, q4, a.scale_log2,
-                             m_run, l_run);
+      scores_softmax(it, k_base);
       pv_issue<R>(acc, p_base, k_base, rg, cg, lane);
       pv_wait<R>(acc);
     }
