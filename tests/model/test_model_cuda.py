@@ -39,10 +39,9 @@ def test_bf16_cuda_tracks_fp32_cpu(name, gen):
              for _ in range(3)]
     want = torch.cat([ref.logits(ids) for ids in draws])
     got = torch.cat([gpu.logits(ids).cpu() for ids in draws])
-    ids = draws[0]
     cos_tok = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    prompt = ids[:24]
+    prompt = draws[0][:24]
     g_ref, g_gpu = ref.greedy(prompt, 32), gpu.greedy(prompt, 32)
     agree = next((i for i, (a, b) in enumerate(zip(g_ref, g_gpu)) if a != b), len(g_ref))
     RESULTS[name] = {
