@@ -72,18 +72,17 @@ class LLM:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         elif isinstance(dtype, str):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, dtype)
-        mtp = speculative is not None and getattr(speculative, "method", None) == "mtp"
-        self.model = load(model, dtype=dtype, device=dev, ep=ep, mtp=mtp)
-        if tokenizer == "auto":
-            from zeroinfer.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer()
-        self.tokenizer = tokenizer
         cfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            max_num_batched_tokens=max_num_batched_tokens,
                            kv_cache_bytes=kv_cache_bytes, async_scheduling=async_scheduling,
                            forbid_host_sync=forbid_host_sync, decode_graphs=decode_graphs,
                            kv_cache_dtype=kv_cache_dtype, speculative=speculative)
+        self.model = load(model, dtype=dtype, device=dev, ep=ep, mtp=cfg.mtp)
+        if tokenizer == "auto":
+            from zeroinfer.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer()
+        self.tokenizer = tokenizer
         self.engine = LLMEngine(self.model, cfg, seed=seed, tokenizer=tokenizer)
 
     # --- helpers ----------------------------------------------------------------------------

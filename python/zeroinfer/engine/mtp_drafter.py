@@ -26,6 +26,7 @@ so the warm-up may run on real rows), the same padded form eagerly on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -52,11 +53,10 @@ class _FixedDrafts:
 
 class MtpDrafter:
     def __init__(self, net: DeepseekV4ForCausalLM, cache: LayerCache, num_drafts: int) -> None:
-        if not len(net.mtp):
-            raise ValueError("speculative method 'mtp' needs the model's MTP modules: load the "
-                             "checkpoint with load(..., mtp=True) (LLM does for method='mtp')")
+        """net: a model with its MTP modules (LLMEngine checks); cache: the module's."""
         self.net, self.cache, self.D = net, cache, num_drafts
-        self.fixed: dict[int, tuple[object, _FixedDrafts]] = {}  # id(step) -> (step, buffers)
+        # a fixed-shape step's buffers, dropped with the step (DecodeGraphs.reset makes new ones)
+        self.fixed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.pool = None
 
     def draft_fixed(self, step, draws: torch.Tensor, draw_at: torch.Tensor | None,
@@ -65,12 +65,10 @@ class MtpDrafter:
         FixedStep `step`, its batch and streams; every real row samples at each of its tokens):
         draws at the token indices draw_at (None: all of the first R rows' q tokens), kept [R]
         the rows' accepted drafts. Returns the R rows' drafts [R, D] (the class's output)."""
-        got = self.fixed.get(id(step))
-        fresh = got is None or got[0] is not step  # (a step made after DecodeGraphs.reset)
+        f = self.fixed.get(step)
+        fresh = f is None
         if fresh:
-            got = self.fixed[id(step)] = (step, _FixedDrafts(step.rows, step.tokens, self.D,
-                                                             draws.device))
-        f = got[1]
+            f = self.fixed[step] = _FixedDrafts(step.rows, step.tokens, self.D, draws.device)
         R = kept.shape[0]
         f.nxt.zero_()
         if draw_at is None:
