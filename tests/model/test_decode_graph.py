@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from zeroinfer.model import load
-from zeroinfer.model.decode_graph import (ROW_BUCKETS, DecodeGraphs, FixedStep, row_bucket,
-                                          width_bucket)
+from zeroinfer.model.decode_graph import (ROW_BUCKETS, DecodeGraphs, FixedStep, graph_captures,
+                                          row_bucket, width_bucket)
 
 
 def _caches_real(runner):
@@ -111,9 +111,11 @@ def test_cuda_decode_graphs_match_eager(gen, dtype, drafts):
     """CUDA graphs replay the fixed-shape step - one token a row, or verification rows of
     1 + 4 tokens with some taken back; against the eager variable-shape step the logits agree
     within the dtype's rounding (the attention's index lists are wider, so its split and sums
-    may differ in the last bits)."""
+    may differ in the last bits). Each class is captured once, on its first step, and
+    replayed after (graph_captures counts the captures)."""
     model = load("dummy:tiny-yarn", dtype=dtype, device="cuda",
                  seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+    captures0 = graph_captures()
     tol = 2e-3 if dtype == torch.float32 else 6e-2
     worst = []
 
@@ -126,6 +128,7 @@ def test_cuda_decode_graphs_match_eager(gen, dtype, drafts):
         assert any(k[1] == 1 + drafts for k in graphs.graphs.steps)
     assert all(s.graph is not None for s in graphs.graphs.steps.values())
     assert len(graphs.graphs.steps) >= 2  # the row bucket changed, and each class has a graph
+    assert graph_captures() - captures0 == len(graphs.graphs.steps)
 
 
 def test_padding_step_classes_made_under_inference_mode_serve_later_steps(gen):

@@ -37,6 +37,16 @@ from zeroinfer.model.cache import DecodeRows, ForwardBatch, LayerCache, host_ten
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 KINDS = ("window", "csa", "hca")
 
+# CUDA graphs captured so far in this process (decode classes, speculative epilogues, MTP
+# drafter steps): a capture synchronises the device and takes milliseconds, so a benchmark reads
+# this to tell a steady state (no captures) from one that still meets new classes.
+_captures = 0
+
+
+def graph_captures() -> int:
+    """The number of CUDA graphs capture_graph has captured in this process."""
+    return _captures
+
 
 def capture_graph(fn, device: torch.device, pool, *, warmups: int = 1, warm_ctx=nullcontext,
                   capture_ctx=nullcontext):
@@ -59,6 +69,8 @@ def capture_graph(fn, device: torch.device, pool, *, warmups: int = 1, warm_ctx=
             out = fn()
     finally:
         torch.cuda.set_sync_debug_mode(guard)
+    global _captures
+    _captures += 1
     return graph, out
 
 
