@@ -96,7 +96,11 @@ def _advance_rounds(gen, device: str) -> None:
         want = plain.advance(*args)
         got = fixed.advance(*args)
         assert torch.equal(got, want)
-        for name in ("hist", "length", "next_ids", "drafts"):
+        # (hist's junk column is left out: a round's writes that must land nowhere all go
+        # there, several a row with different tokens, and a GPU keeps any one of them; the
+        # lookup never reads it)
+        assert torch.equal(plain.hist[:slots, :plain.junk], fixed.hist[:slots, :fixed.junk])
+        for name in ("length", "next_ids", "drafts"):
             a, b = getattr(plain, name)[:slots], getattr(fixed, name)[:slots]
             assert torch.equal(a, b), name
     assert len(fixed.classes) > 1
