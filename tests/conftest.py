@@ -31,7 +31,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def seed(request) -> int:
-    s = int(os.environ.get("ZEROINFER_TEST_SEED", secrets.randbits(31)))
+    # (set and empty, as a script that passes a seed through may leave it, draws a fresh one)
+    s = int(os.environ.get("ZEROINFER_TEST_SEED") or secrets.randbits(31))
     print(f"[{request.node.nodeid}] ZEROINFER_TEST_SEED={s}")
     return s
 
