@@ -16,7 +16,8 @@ from zeroinfer.engine.engine import EngineConfig, LLMEngine, kv_bytes_per_token
 from zeroinfer.engine.spec_state import SpeculativeState
 from zeroinfer.engine.speculative import NgramIndex, SpeculativeConfig
 from zeroinfer.model import load
-from zeroinfer.testing.drafts import FutureDrafter, draft_on_device_from, speculative_workload
+from zeroinfer.testing.drafts import (FutureDrafter, draft_on_device_by_slot, draft_on_device_from,
+                                      speculative_workload)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,32 @@ def test_fixed_shape_epilogue_matches_unpadded(gen):
 def test_cuda_epilogue_graphs_match_eager(gen):
     for _ in range(3):
         _advance_rounds(gen, "cuda")
+
+
+def test_device_oracle_drafter_refilled_in_place(model, gen):
+    """draft_on_device_by_slot (the benchmark's device drafter) called again on an engine with
+    new sequences of the same longest length keeps its proposer - so the epilogue graphs
+    captured with it stay - and drafts the new sequences; a different error rate installs a
+    new one."""
+    D, V = 3, model.config.vocab_size
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64, decode_graphs=True,
+                                        speculative=SpeculativeConfig(D)), seed=0)
+    st = eng.runner.spec_state
+    slots, length = torch.tensor([0, 1]), torch.tensor([5, 9])
+
+    def seqs():
+        return {s: torch.randint(2, V, (20,), generator=gen).tolist() for s in (0, 1)}
+
+    draft_on_device_by_slot(eng, seqs(), 0.0)
+    first = st.propose
+    again = seqs()
+    draft_on_device_by_slot(eng, again, 0.0)
+    assert st.propose is first
+    drafts, count = st.propose(slots, length)
+    assert drafts.tolist() == [again[0][5:8], again[1][9:12]] and count.tolist() == [D, D]
+    draft_on_device_by_slot(eng, seqs(), 0.5)
+    assert st.propose is not first
+    eng.close()
 
 
 def _workload(rng: random.Random, n: int, vocab: int):
