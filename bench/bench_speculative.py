@@ -27,7 +27,8 @@ the MoE and the LM head, the draws at every position) and, here, the synchronous
 host time, which the zero-overhead plain baseline hides (`schedule_us_per_round`: the
 scheduler and drafter; `launch_us_per_round`: building and enqueueing the round, which also
 blocks while the device's queue is full). `graph_captures`: CUDA graphs the timed pass still
-had to capture (see _pass); a row with any carries their cost.
+had to capture (see _pass; `captured_classes` names them, `warmup_passes` counts the untimed
+passes before it); a row with any carries their cost.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 from zeroinfer.engine.engine import EngineConfig, LLMEngine
 from zeroinfer.engine.speculative import SpeculativeConfig
 from zeroinfer.model import load
-from zeroinfer.model.decode_graph import graph_captures
+from zeroinfer.model.decode_graph import captured_classes, graph_captures
 from zeroinfer.sampling_params import SamplingParams
 from zeroinfer.testing import bench
 from zeroinfer.testing.drafts import FutureDrafter, draft_on_device_by_slot
@@ -91,15 +92,17 @@ def _pass(model, prompts, params, spec, drafter, futures, seed, graphs=None
             torch.cuda.synchronize()
         return time.perf_counter() - t0, [r.output_ids for r in reqs]
 
-    for _ in range(MAX_WARMUPS):
+    eng.warmups = 0
+    while eng.warmups < MAX_WARMUPS:
         captures0 = graph_captures()
         one(timed=False)
+        eng.warmups += 1
         if graph_captures() == captures0:
             break
     rounds0, captures0 = eng.rounds, graph_captures()
     wall, outputs = one(timed=True)
     eng.timed_rounds = eng.rounds - rounds0
-    eng.timed_captures = graph_captures() - captures0
+    eng.timed_captures = captured_classes(captures0)
     return wall, outputs, eng
 
 
@@ -107,7 +110,8 @@ def _host_us(eng: LLMEngine) -> dict:
     n = max(1, eng.timed_rounds)
     return {"schedule_us_per_round": eng.host_time["schedule"] / n * 1e6,
             "launch_us_per_round": eng.host_time["launch"] / n * 1e6,
-            "graph_captures": eng.timed_captures}
+            "warmup_passes": eng.warmups, "graph_captures": len(eng.timed_captures),
+            "captured_classes": eng.timed_captures}
 
 
 def main() -> None:
@@ -168,7 +172,11 @@ def main() -> None:
     bench.print_table(rows, ["batch", "drafter", "drafts", "decode_tokens_per_s", "rounds",
                              "tokens_per_round", "drafted", "acceptance", "speedup",
                              "fraction_of_ideal", "pipelined_rounds", "schedule_us_per_round",
-                             "launch_us_per_round", "graph_captures"])
+                             "launch_us_per_round", "warmup_passes", "graph_captures"])
+    for r in rows:
+        if r["captured_classes"]:
+            print(f"batch {r['batch']} {r['drafter']} d {r['drafts']}: the timed pass captured "
+                  + "; ".join(r["captured_classes"]))
     path = bench.write_results("speculative", rows, device=a.device,
                                extra={"model": MODEL, "input_len": a.input_len,
                                       "decode_graphs": graphs,

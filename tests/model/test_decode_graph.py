@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from zeroinfer.model import load
-from zeroinfer.model.decode_graph import (ROW_BUCKETS, DecodeGraphs, FixedStep, graph_captures,
-                                          row_bucket, width_bucket)
+from zeroinfer.model.decode_graph import (ROW_BUCKETS, DecodeGraphs, FixedStep, captured_classes,
+                                          graph_captures, row_bucket, width_bucket)
 
 
 def _caches_real(runner):
@@ -129,6 +129,9 @@ def test_cuda_decode_graphs_match_eager(gen, dtype, drafts):
     assert all(s.graph is not None for s in graphs.graphs.steps.values())
     assert len(graphs.graphs.steps) >= 2  # the row bucket changed, and each class has a graph
     assert graph_captures() - captures0 == len(graphs.graphs.steps)
+    assert sorted(captured_classes(captures0)) == sorted(
+        f"decode rows={s.rows} tokens={s.tokens} widths={s.widths}"
+        for s in graphs.graphs.steps.values())
 
 
 def test_padding_step_classes_made_under_inference_mode_serve_later_steps(gen):

@@ -107,7 +107,7 @@ class SpeculativeState:
         if not self.capture:
             return packed, padding, kept, None
         graph, _ = capture_graph(lambda: self._advance_packed(packed, q, kept), packed.device,
-                                 self.pool)
+                                 self.pool, what=f"epilogue rows={n} q={q}")
         return packed, padding, kept, graph
 
     def _advance(self, slots, ctx, ids, drafts, draws) -> torch.Tensor:

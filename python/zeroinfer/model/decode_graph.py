@@ -37,24 +37,31 @@ from zeroinfer.model.cache import DecodeRows, ForwardBatch, LayerCache, host_ten
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 KINDS = ("window", "csa", "hca")
 
-# CUDA graphs captured so far in this process (decode classes, speculative epilogues, MTP
-# drafter steps): a capture synchronises the device and takes milliseconds, so a benchmark reads
-# this to tell a steady state (no captures) from one that still meets new classes.
-_captures = 0
+# What capture_graph has captured so far in this process, by class (decode classes, speculative
+# epilogues, MTP drafter steps): a capture synchronises the device and takes milliseconds, so a
+# benchmark reads this to tell a steady state (no captures) from one that still meets new
+# classes, and which classes those are.
+_captured: list[str] = []
 
 
 def graph_captures() -> int:
     """The number of CUDA graphs capture_graph has captured in this process."""
-    return _captures
+    return len(_captured)
 
 
-def capture_graph(fn, device: torch.device, pool, *, warmups: int = 1, warm_ctx=nullcontext,
-                  capture_ctx=nullcontext):
+def captured_classes(since: int = 0) -> list[str]:
+    """The classes of the captures after the first `since` (graph_captures() taken earlier)."""
+    return _captured[since:]
+
+
+def capture_graph(fn, device: torch.device, pool, *, what: str, warmups: int = 1,
+                  warm_ctx=nullcontext, capture_ctx=nullcontext):
     """Run fn() `warmups` times on a side stream (as torch asks before a capture), then capture
     it into a CUDA graph sharing the memory `pool`; returns (graph, what the captured fn()
-    returned). warm_ctx / capture_ctx: context factories entered around the warm-ups and the
-    capture. Capturing synchronises the device (torch does, on entry), once a graph: the
-    engine's sync guard (torch's sync debug mode) is lifted for it."""
+    returned). what: the class captured, for captured_classes. warm_ctx / capture_ctx: context
+    factories entered around the warm-ups and the capture. Capturing synchronises the device
+    (torch does, on entry), once a graph: the engine's sync guard (torch's sync debug mode) is
+    lifted for it."""
     guard = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(0)
     try:
@@ -69,8 +76,7 @@ def capture_graph(fn, device: torch.device, pool, *, warmups: int = 1, warm_ctx=
             out = fn()
     finally:
         torch.cuda.set_sync_debug_mode(guard)
-    global _captures
-    _captures += 1
+    _captured.append(what)
     return graph, out
 
 
@@ -257,6 +263,7 @@ class DecodeGraphs:
         warm-ups (capture_graph); the warm-ups exchange nothing (loopback)."""
         self._fill(step, [], [], [], {k: [] for k in KINDS})
         step.graph, step.logits = capture_graph(
-            lambda: self._forward(step), self.device, self.pool, warmups=2,
+            lambda: self._forward(step), self.device, self.pool,
+            what=f"decode rows={step.rows} tokens={step.tokens} widths={step.widths}", warmups=2,
             warm_ctx=lambda: self._exchange(step, loopback=True),
             capture_ctx=lambda: self._exchange(step))
