@@ -16,6 +16,7 @@ from zeroinfer.engine.engine import EngineConfig, LLMEngine, kv_bytes_per_token
 from zeroinfer.engine.spec_state import SpeculativeState
 from zeroinfer.engine.speculative import NgramIndex, SpeculativeConfig
 from zeroinfer.model import load
+from zeroinfer.sampling_params import SamplingParams
 from zeroinfer.testing.drafts import (FutureDrafter, draft_on_device_by_slot, draft_on_device_from,
                                       speculative_workload)
 
@@ -142,6 +143,47 @@ def test_device_oracle_drafter_refilled_in_place(model, gen):
     draft_on_device_by_slot(eng, seqs(), 0.5)
     assert st.propose is not first
     eng.close()
+
+
+def test_pipelined_rounds_verify_full_drafts_after_prompts_and_idle(model, gen):
+    """A pipelined round verifies as many drafts a row as the decode rows of the last committed
+    round offered (Scheduler.recent_drafts), counting only requests that go on: a round of
+    prompts (no drafts by construction) leaves the count alone, and an idle engine starts again
+    from the configured D. So with every draft right, each batch of requests run on the same
+    engine verifies D drafts from its first pipelined round on, the same rounds every time -
+    not a plain round after the prompts, nor fewer drafts left from the last batch's end."""
+    D, V = 4, model.config.vocab_size
+    prompts = [torch.randint(2, V, (10,), generator=gen).tolist() for _ in range(2)]
+    params = SamplingParams(max_tokens=int(torch.randint(12, 30, (1,), generator=gen)),
+                            ignore_eos=True, temperature=0.0)
+    plain = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64), seed=0)
+    plain_reqs = [plain.add_request(p, params) for p in prompts]
+    plain.finish()
+    outs = [r.output_ids for r in plain_reqs]
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64, decode_graphs=True,
+                                        speculative=SpeculativeConfig(D)), seed=0)
+    rounds: list[list[int]] = []
+    schedule = eng.scheduler.schedule_pipelined
+
+    def spy(prev, max_rows):
+        batch = schedule(prev, max_rows)
+        if batch is not None:
+            rounds[-1].append(batch.rows[0].num_tokens)
+        return batch
+
+    eng.scheduler.schedule_pipelined = spy
+    for _ in range(3):
+        rounds.append([])
+        reqs = [eng.add_request(p, params) for p in prompts]
+        eng.step()  # the prompts (their slots are known now)
+        draft_on_device_by_slot(eng, {r.slot: r.prompt_ids + o for r, o in zip(reqs, outs)}, 0.0)
+        eng.finish()
+        assert [r.output_ids for r in reqs] == outs
+        assert eng.scheduler.recent_drafts == D
+        assert rounds[-1][:2] == [1 + D, 1 + D], rounds[-1]
+    assert rounds[1] == rounds[2], rounds
+    eng.close()
+    plain.close()
 
 
 def _workload(rng: random.Random, n: int, vocab: int):

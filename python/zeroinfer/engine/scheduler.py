@@ -93,9 +93,13 @@ class Scheduler:
         self.speculative = speculative
         self.num_drafted = self.num_accepted = 0  # drafts verified / kept, over all rounds
         self.num_pipelined = 0  # rounds scheduled while the one before was in flight
-        # the most drafts a row of the last committed round had on offer: a pipelined round
-        # verifies that many a row (its drafts are on the device, unknown here), so that
-        # where the drafter finds nothing the rounds stay plain decode rounds
+        # the most drafts a decode row of the last committed round had on offer, among the
+        # requests that go on: a pipelined round verifies that many a row (its drafts are on
+        # the device, unknown here), so that where the drafter finds nothing the rounds stay
+        # plain decode rounds. Prompt rows offer nothing by construction and a finished
+        # request's last rows are cut by its end, so neither counts; and with no request
+        # running it is the configured count again, as at the start (so that a new batch of
+        # requests is scheduled the same whatever the last one left here).
         self.recent_drafts = speculative.num_draft_tokens if speculative else 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -310,8 +314,8 @@ class Scheduler:
             req.inflight -= 1
             if req.finished:
                 continue  # aborted or finished meanwhile: the tokens are dropped
-            if req.drafter is not None:
-                offered = max(offered or 0, result.rows[i][3] if row.device else row.drafts)
+            # (a decode row: its tokens are the last known one and its drafts)
+            decode = row.device or row.num_tokens == 1 + row.drafts
             emit = 1
             if row.drafts or row.device:  # the drafts the draws confirm, then the first draw
                 start, drafts = row.start, row.token_ids[1:]  # that differs
@@ -333,6 +337,8 @@ class Scheduler:
                     break
             if i in result.drafts and not req.finished:  # (after _append's extend)
                 req.drafter.drafts = result.drafts[i]
+            if req.drafter is not None and decode and not req.finished:
+                offered = max(offered or 0, result.rows[i][3] if row.device else row.drafts)
         if offered is not None:
             self.recent_drafts = offered
         for i, logits in result.prompt_logits.items():
@@ -368,6 +374,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self._defer_release(req)
+        if not self.running and self.speculative is not None:
+            self.recent_drafts = self.speculative.num_draft_tokens
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
