@@ -26,15 +26,17 @@ costs the same and yields `tokens_per_round` tokens a row. `fraction_of_ideal` =
 the MoE and the LM head, the draws at every position) and, here, the synchronous rounds'
 host time, which the zero-overhead plain baseline hides (`schedule_us_per_round`: the
 scheduler and drafter; `launch_us_per_round`: building and enqueueing the round, which also
-blocks while the device's queue is full). `graph_captures`: CUDA graphs the timed pass still
+blocks while the device's queue is full). `graph_captures`: CUDA graphs the timed passes still
 had to capture (see _pass; `captured_classes` names them, `warmup_passes` counts the untimed
-passes before it); a row with any carries their cost.
+passes before them); a row with any carries their cost. A row's time is the median of
+TIMED_PASSES passes, `pass_spread` their slowest / fastest.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -51,18 +53,22 @@ from zeroinfer.testing.drafts import FutureDrafter, draft_on_device_by_slot
 MODEL = "dummy"
 
 
-MAX_WARMUPS = 4  # untimed passes before the timed one, at most
+MAX_WARMUPS = 4  # untimed passes before the timed ones, at most
+# timed passes a row, its time their median: on a GPU the host's share of a small batch's round
+# moves by tens of percent between passes (one batch-8 plain pass ran 1.4x another)
+TIMED_PASSES = 3
 
 
 def _pass(model, prompts, params, spec, drafter, futures, seed, graphs=None
           ) -> tuple[float, list, LLMEngine]:
-    """One timed pass of the workload on a fresh engine after untimed ones: returns (decode
-    seconds, outputs, engine). CUDA graphs are captured on a class's first use (rows, tokens
-    a row, widths), and a speculative pass's classes depend on the state the engine enters it
-    with (the draft count a pipelined round starts from is the last round's), so untimed passes
-    repeat until one captures nothing (at most MAX_WARMUPS); `eng.timed_captures` counts any
-    capture the timed pass still made (each synchronises and takes milliseconds). Every pass
-    draws the host drafter's right and wrong drafts from the same seed."""
+    """TIMED_PASSES timed passes of the workload on a fresh engine after untimed ones: returns
+    (their median decode seconds, outputs, engine). CUDA graphs are captured on a class's first
+    use (rows, tokens a row, widths), and a speculative pass's classes depend on its drafts (the
+    first pass's prompt round drafts by n-gram lookup, before the device drafter is in), so
+    untimed passes repeat until one captures nothing (at most MAX_WARMUPS);
+    `eng.timed_captures` names any capture the timed passes still made (each synchronises and
+    takes milliseconds), `eng.pass_spread` is their slowest / fastest. Every pass draws the
+    host drafter's right and wrong drafts from the same seed."""
     b = len(prompts)
     cfg = EngineConfig(max_num_seqs=b, max_model_len=len(prompts[0]) + params.max_tokens + 16,
                        max_num_batched_tokens=b * len(prompts[0]), speculative=spec,
@@ -99,18 +105,24 @@ def _pass(model, prompts, params, spec, drafter, futures, seed, graphs=None
         eng.warmups += 1
         if graph_captures() == captures0:
             break
-    rounds0, captures0 = eng.rounds, graph_captures()
-    wall, outputs = one(timed=True)
+    captures0, walls, outputs = graph_captures(), [], None
+    for _ in range(TIMED_PASSES):  # (the counters read after are the last pass's)
+        rounds0 = eng.rounds
+        wall, out = one(timed=True)
+        walls.append(wall)
+        outputs = out if outputs is None or out != outputs else outputs  # (a difference shows)
     eng.timed_rounds = eng.rounds - rounds0
     eng.timed_captures = captured_classes(captures0)
-    return wall, outputs, eng
+    eng.pass_spread = max(walls) / min(walls)
+    return statistics.median(walls), outputs, eng
 
 
 def _host_us(eng: LLMEngine) -> dict:
     n = max(1, eng.timed_rounds)
     return {"schedule_us_per_round": eng.host_time["schedule"] / n * 1e6,
             "launch_us_per_round": eng.host_time["launch"] / n * 1e6,
-            "warmup_passes": eng.warmups, "graph_captures": len(eng.timed_captures),
+            "pass_spread": eng.pass_spread, "warmup_passes": eng.warmups,
+            "graph_captures": len(eng.timed_captures),
             "captured_classes": eng.timed_captures}
 
 
@@ -172,7 +184,7 @@ def main() -> None:
     bench.print_table(rows, ["batch", "drafter", "drafts", "decode_tokens_per_s", "rounds",
                              "tokens_per_round", "drafted", "acceptance", "speedup",
                              "fraction_of_ideal", "pipelined_rounds", "schedule_us_per_round",
-                             "launch_us_per_round", "warmup_passes", "graph_captures"])
+                             "launch_us_per_round", "pass_spread", "graph_captures"])
     for r in rows:
         if r["captured_classes"]:
             print(f"batch {r['batch']} {r['drafter']} d {r['drafts']}: the timed pass captured "
