@@ -106,8 +106,12 @@ class RoundHandle:
         drafts = {}
         if "mtp_drafts" in h:  # the MTP drafter's, for each sampling row's next row
             drafts = dict(zip(self.batch.sample_rows, h["mtp_drafts"].tolist()))
+        next_offered = {}
+        if "next_offered" in h:  # a round built on the host: the drafts each next row has
+            next_offered = dict(zip(self.batch.sample_rows, h["next_offered"].tolist()))
         return RoundResult(tokens=h["tokens"].tolist(), rows=rows, logprobs=h["logprob"].tolist(),
-                           top=top, prompt_logits=self.prompt_logits, drafts=drafts)
+                           top=top, prompt_logits=self.prompt_logits, drafts=drafts,
+                           next_offered=next_offered)
 
 
 @contextmanager
@@ -537,6 +541,9 @@ class ModelRunner:
                     handle.host["row_ids"] = self._to_host(ids)
                     handle.host["row_drafts"] = self._to_host(drafts)
                     handle.host["row_offered"] = self._to_host(host["offered"])
+                else:  # (built on the host: the drafts the device found for each row's next
+                    # row, which the commit of a prompt row counts - Scheduler.recent_drafts)
+                    handle.host["next_offered"] = self._to_host(self.spec_state.drafts[sl])
             handle.host["tokens"] = self._to_host(res.tokens)
             handle.host["logprob"] = self._to_host(res.logprob)
             if getattr(res, "top_ids", None) is not None:

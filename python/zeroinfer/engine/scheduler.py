@@ -81,6 +81,9 @@ class RoundResult:
     # a device drafter's drafts after each sampling row (the MTP module's; rounds built on the
     # host): row index -> drafts
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # rounds built on the host, with the speculative state on the device: row index -> the
+    # drafts the device found for the row's next row
+    next_offered: dict[int, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -93,13 +96,14 @@ class Scheduler:
         self.speculative = speculative
         self.num_drafted = self.num_accepted = 0  # drafts verified / kept, over all rounds
         self.num_pipelined = 0  # rounds scheduled while the one before was in flight
-        # the most drafts a decode row of the last committed round had on offer, among the
-        # requests that go on: a pipelined round verifies that many a row (its drafts are on
-        # the device, unknown here), so that where the drafter finds nothing the rounds stay
-        # plain decode rounds. Prompt rows offer nothing by construction and a finished
-        # request's last rows are cut by its end, so neither counts; and with no request
-        # running it is the configured count again, as at the start (so that a new batch of
-        # requests is scheduled the same whatever the last one left here).
+        # the most drafts a row of the last committed round had on offer, among the requests
+        # that go on: a pipelined round verifies that many a row (its drafts are on the
+        # device, unknown here), so that where the drafter finds nothing the rounds stay plain
+        # decode rounds. A prompt row offers nothing itself, so it counts the drafts the
+        # device found for its next row; a finished request's last rows are cut by its end, so
+        # they do not count; and with no request running it is the configured count again, as
+        # at the start (so that a new batch of requests is scheduled the same whatever the
+        # last one left here).
         self.recent_drafts = speculative.num_draft_tokens if speculative else 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -337,8 +341,11 @@ class Scheduler:
                     break
             if i in result.drafts and not req.finished:  # (after _append's extend)
                 req.drafter.drafts = result.drafts[i]
-            if req.drafter is not None and decode and not req.finished:
-                offered = max(offered or 0, result.rows[i][3] if row.device else row.drafts)
+            if req.drafter is not None and not req.finished:
+                if decode:
+                    offered = max(offered or 0, result.rows[i][3] if row.device else row.drafts)
+                elif i in result.next_offered:  # (a prompt row)
+                    offered = max(offered or 0, result.next_offered[i])
         if offered is not None:
             self.recent_drafts = offered
         for i, logits in result.prompt_logits.items():
