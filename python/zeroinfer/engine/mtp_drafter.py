@@ -94,8 +94,7 @@ class MtpDrafter:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         f.graph, _ = capture_graph(lambda: self._draft_into(step, f), f.nxt.device, self.pool,
-                                   what=f"mtp drafts rows={step.rows} tokens={step.tokens} "
-                                        f"widths={step.widths}")
+                                   what=f"mtp drafts {step.key}")
 
     @torch.inference_mode()
     def draft(self, batch: ForwardBatch, streams: torch.Tensor, next_ids: torch.Tensor,

@@ -116,6 +116,11 @@ class FixedStep:
         # the last layer's streams of every token (a model with MTP modules: their input)
         self.streams: torch.Tensor | None = None
 
+    @property
+    def key(self) -> str:
+        """The class, as captured_classes names it."""
+        return f"rows={self.rows} tokens={self.tokens} widths={self.widths}"
+
     def real(self) -> torch.Tensor:
         """[rows * tokens] bool: the tokens of sequences' rows (not padding)."""
         return self.meta[2][self.seq] != 0
@@ -264,6 +269,6 @@ class DecodeGraphs:
         self._fill(step, [], [], [], {k: [] for k in KINDS})
         step.graph, step.logits = capture_graph(
             lambda: self._forward(step), self.device, self.pool,
-            what=f"decode rows={step.rows} tokens={step.tokens} widths={step.widths}", warmups=2,
+            what=f"decode {step.key}", warmups=2,
             warm_ctx=lambda: self._exchange(step, loopback=True),
             capture_ctx=lambda: self._exchange(step))
