@@ -342,10 +342,11 @@ class Scheduler:
             if i in result.drafts and not req.finished:  # (after _append's extend)
                 req.drafter.drafts = result.drafts[i]
             if req.drafter is not None and not req.finished:
-                if decode:
-                    offered = max(offered or 0, result.rows[i][3] if row.device else row.drafts)
-                elif i in result.next_offered:  # (a prompt row)
-                    offered = max(offered or 0, result.next_offered[i])
+                # a decode row's own offer; a prompt row's: what the device found for its next
+                n = ((result.rows[i][3] if row.device else row.drafts) if decode
+                     else result.next_offered.get(i))
+                if n is not None:
+                    offered = max(offered or 0, n)
         if offered is not None:
             self.recent_drafts = offered
         for i, logits in result.prompt_logits.items():
