@@ -125,13 +125,13 @@ _PATCHES = [
      "    g_zs[blockIdx.x * 64 + 16] = clock64() - zs_t0;\n"
      "    g_zs[blockIdx.x * 64 + 17] = static_cast<long long>(zs_gtime() - zs_g0);\n"
      "    ZS_PUT(15, zs_t0);\n  }\n}"),
-    ("    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(prm);",
+    ("    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, prm);\n",
      "    void* zs = nullptr;\n"
      "    ZI_CUDA_CHECK(cudaGetSymbolAddress(&zs, g_zs));\n"
      "    ZI_CUDA_CHECK(cudaMemsetAsync(zs, 0xff, sizeof(long long) * 256 * 64, stream));\n"
-     "    kernel<<<static_cast<unsigned>(grid), C::threads, smem, stream>>>(prm);\n"
+     "    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, prm);\n"
      "    if (std::getenv(\"ZI_STAMPS\") != nullptr)\n"
-     "      zs_print<<<1, 1, 0, stream>>>(static_cast<int>(grid));"),
+     "      zs_print<<<1, 1, 0, stream>>>(static_cast<int>(grid));\n"),
 ]
 _NOWARM = ("for (int64_t it = static_cast<int64_t>(blockIdx.x) - gridDim.x; it < items;",
            "for (int64_t it = static_cast<int64_t>(blockIdx.x); it < items;")

@@ -163,3 +163,22 @@ def test_launch_counter_sees_ops_and_kernel_calls_and_restores_C(gen):
         rms_norm(x, w, 1e-6)  # one _C call; its output an allocation, x's views free
     assert _C.rms_norm is before
     assert counter.by_site == {"ops/rms_norm.py rms_norm": 1}
+
+
+@pytest.mark.parametrize("probe, slots", [("probe_mla_stamps", ["ZS_PUT(2,", "ZS_PUT(14,"]),
+                                          ("probe_moe_stamps", ["ZS_PUT(1,", "ZS_PUT(15,"])])
+def test_stamp_probes_still_find_their_anchors(tmp_path, monkeypatch, probe, slots):
+    """The clock-stamp probes patch the CUDA sources at fixed anchors and exit when one moved:
+    caught here, on the CPU, rather than inside a device call. The stamped copy carries the
+    stamps and the printing kernel (whether it compiles is nvcc's business, checked on the
+    device where the probe runs)."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root / "bench"))
+    mod = __import__(probe)
+    out = tmp_path / "stamped.cu"
+    mod.make(str(out), False) if probe == "probe_moe_stamps" else mod.make(str(out))
+    text = out.read_text()
+    assert "__global__ void zs_print" in text
+    for slot in slots:
+        assert slot in text, slot
