@@ -5,10 +5,9 @@ moe_gemm_NOTES.md sessions 18 and 23).
   python3 bench/probe_moe_stamps.py run gate_up:512:skewed,down:512:skewed   # under that build
 
 `make` needs no GPU: it patches the kernel at fixed anchors (and fails loudly when one moved)
-so that consumer thread 0 and producer thread 0 store clock64() deltas from the CTA's entry into a
-__device__ array, and the launcher, when ZI_STAMPS is set, runs a one-thread kernel after the
-GEMM that prints per slot the min / median / max over the CTAs in us (each CTA's clock rate from
-its own globaltimer span). `nowarm` also drops the consumers' warm-up pass. Build it beside the
+so that consumer thread 0 and producer thread 0 stamp their phases, and the launcher, when
+ZI_STAMPS is set, prints them per slot over the CTAs (bench/stamp_probe.py: the stamps, the
+printing kernel). `nowarm` also drops the consumers' warm-up pass. Build it beside the
 tree with bench/ab_builds.sh (`bash bench/ab_builds.sh 0 true stamps=OUT.cu` builds without
 running anything), then `PYTHONPATH=/tmp/ab/stamps:$PYTHONPATH python3 bench/probe_moe_stamps.py
 run CASES` traces two launches a case (L2 flushed before each) and times the kernel. Cases as
@@ -19,55 +18,16 @@ passed, 3+3p stage loop done, 4+3p epilogue done; 15 its end. Producer thread 0,
 20+6i item tile known, 21+6i first copies issued, 22+6i first weights landed, 23+6i first stage
 decoded, 24+6i first stage handed over, 25+6i last stage handed over. Lane 0 of consumer warp w
 (0..7): 40+w / 48+w the epilogue of the first / second item done (the next item's first full
-barrier waits for the slowest warp of warpgroup 0). (Printf in the GEMM kernel
-itself would make ptxas serialise its wgmmas, hence the second kernel.)
+barrier waits for the slowest warp of warpgroup 0); 18 the CTA's entry after the grid's earliest.
 """
 
-import os
 import sys
 
-KERNEL = "csrc/cuda/moe_gemm.cu"
+from stamp_probe import ENTRY, head, host_launch, make as patch, trace
 
-_HEAD = r'''
-__device__ long long g_zs[256 * 64];
-__device__ __forceinline__ unsigned long long zs_gtime() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-#define ZS_PUT(slot, t0) \
-  (blockIdx.x < 256 ? (void)(g_zs[blockIdx.x * 64 + (slot)] = clock64() - (t0)) : (void)0)
-__global__ void zs_print(int ctas) {
-  static long long v[256];
-  ctas = ctas < 256 ? ctas : 256;  // (g_zs holds 256 CTAs)
-  for (int s = 0; s < 64; ++s) {
-    int n = 0;
-    for (int c = 0; c < ctas; ++c) {
-      const long long x = g_zs[c * 64 + s];
-      if (x < 0 || s == 16 || s == 17) continue;
-      // cycles -> ns by the CTA's own rate (16, 17: its end clock, its globaltimer span)
-      const double rate = double(g_zs[c * 64 + 16]) / double(g_zs[c * 64 + 17]);
-      v[n++] = (long long)(x / rate);
-    }
-    if (n == 0) continue;
-    for (int i = 1; i < n; ++i)
-      for (int j = i; j > 0 && v[j] < v[j - 1]; --j) {
-        const long long y = v[j];
-        v[j] = v[j - 1];
-        v[j - 1] = y;
-      }
-    printf("ZS slot %2d n %3d min %8.2f med %8.2f max %8.2f us\n", s, n, v[0] * 1e-3,
-           v[n / 2] * 1e-3, v[n - 1] * 1e-3);
-  }
-  double ghz = 0; int m = 0;
-  for (int c = 0; c < ctas; ++c)
-    if (g_zs[c * 64 + 17] > 0) {
-      ghz += double(g_zs[c * 64 + 16]) / g_zs[c * 64 + 17];
-      ++m;
-    }
-  printf("ZS clock %.3f GHz over %d CTAs\n", ghz / m, m);
-}
-'''
+KERNEL = "csrc/cuda/moe_gemm.cu"
+_CTAS, _SLOTS = 256, 64
+_LAUNCH = "    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, prm);\n"
 
 _PASS = ("(static_cast<int>((it - (static_cast<int64_t>(blockIdx.x) - gridDim.x))"
          " / gridDim.x))")
@@ -75,10 +35,9 @@ _PASS = ("(static_cast<int>((it - (static_cast<int64_t>(blockIdx.x) - gridDim.x)
 # (anchor, replacement) pairs, each anchor found exactly once in the kernel source.
 _PATCHES = [
     ("// ---- the warp-specialised float8 wide tile (tokens as M) ---",
-     _HEAD + "// ---- the warp-specialised float8 wide tile (tokens as M) ---"),
+     head(_CTAS, _SLOTS) + "// ---- the warp-specialised float8 wide tile (tokens as M) ---"),
     ("  const Mxfp4CudaGemmParams& p = prm.p;\n",
-     "  const long long zs_t0 = clock64();\n  const unsigned long long zs_g0 = zs_gtime();\n"
-     "  const Mxfp4CudaGemmParams& p = prm.p;\n"),
+     ENTRY + "  const Mxfp4CudaGemmParams& p = prm.p;\n"),
     ("  const Schedule<C> sch(p, smem + C::pipe_bytes);  // (its barrier publishes the above)\n",
      "  const Schedule<C> sch(p, smem + C::pipe_bytes);  // (its barrier publishes the above)\n"
      "  if (threadIdx.x == 0) ZS_PUT(1, zs_t0);\n"),
@@ -121,29 +80,16 @@ _PATCHES = [
      "    if ((threadIdx.x & 31) == 0 && zp >= 1 && zp <= 2)\n"
      "      ZS_PUT(40 + 8 * (zp - 1) + (threadIdx.x >> 5), zs_t0);\n"
      "    w = wn;\n    row_based = rbn;\n  }\n"
-     "  if (threadIdx.x == 0 && blockIdx.x < 256) {\n"
-     "    g_zs[blockIdx.x * 64 + 16] = clock64() - zs_t0;\n"
-     "    g_zs[blockIdx.x * 64 + 17] = static_cast<long long>(zs_gtime() - zs_g0);\n"
-     "    ZS_PUT(15, zs_t0);\n  }\n}"),
-    ("    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, prm);\n",
-     "    void* zs = nullptr;\n"
-     "    ZI_CUDA_CHECK(cudaGetSymbolAddress(&zs, g_zs));\n"
-     "    ZI_CUDA_CHECK(cudaMemsetAsync(zs, 0xff, sizeof(long long) * 256 * 64, stream));\n"
-     "    launch_programmatic(kernel, g, b, static_cast<size_t>(smem), stream, prm);\n"
-     "    if (std::getenv(\"ZI_STAMPS\") != nullptr)\n"
-     "      zs_print<<<1, 1, 0, stream>>>(static_cast<int>(grid));\n"),
+     "  if (threadIdx.x == 0) {\n"
+     "    ZS_PUT(15, zs_t0);\n    ZS_END(zs_t0, zs_g0)\n  }\n}"),
+    (_LAUNCH, host_launch(_LAUNCH, "grid", _CTAS, _SLOTS)),
 ]
 _NOWARM = ("for (int64_t it = static_cast<int64_t>(blockIdx.x) - gridDim.x; it < items;",
            "for (int64_t it = static_cast<int64_t>(blockIdx.x); it < items;")
 
 
 def make(out: str, nowarm: bool) -> None:
-    src = open(KERNEL).read()
-    for old, new in _PATCHES + ([_NOWARM] if nowarm else []):
-        if src.count(old) != 1:
-            sys.exit(f"anchor found {src.count(old)} times (the kernel moved on): {old[:70]!r}")
-        src = src.replace(old, new)
-    open(out, "w").write("#include <cstdlib>\n" + src)
+    patch(KERNEL, _PATCHES + ([_NOWARM] if nowarm else []), out)
 
 
 def run(cases: str) -> None:
@@ -152,24 +98,11 @@ def run(cases: str) -> None:
     sys.path.insert(0, "bench")
     from ab_moe_cases import make_case
 
-    from zeroinfer.testing import bench
-
     gen = torch.Generator().manual_seed(0)
     dgen = torch.Generator(device="cuda").manual_seed(1)
-    flush = bench._l2_flush_buffer()
     for case in cases.split(","):
         gemm, _ = make_case(case, torch.float8_e4m3fn, gen, dgen)
-        for _ in range(3):
-            gemm()
-        for rep in range(2):
-            flush.zero_()
-            torch.cuda.synchronize()
-            os.environ["ZI_STAMPS"] = "1"  # (the launcher reads it at every launch)
-            print(f"== {case} traced launch {rep}", flush=True)
-            gemm()
-            torch.cuda.synchronize()
-            del os.environ["ZI_STAMPS"]
-        print(f"== {case} kernel us {bench.time_kernels(gemm) * 1e6:.1f}", flush=True)
+        trace(case, gemm)
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def test_launch_counter_sees_ops_and_kernel_calls_and_restores_C(gen):
 
 
 @pytest.mark.parametrize("probe, args, slots",
-                         [("probe_mla_stamps", (), ["ZS_PUT(2,", "ZS_PUT(14,"]),
+                         [("probe_mla_stamps", (), ["ZS_PUT0(2,", "ZS_PUT0(14,"]),
                           ("probe_moe_stamps", (False,), ["ZS_PUT(1,", "ZS_PUT(15,"])])
 def test_stamp_probes_still_find_their_anchors(tmp_path, monkeypatch, probe, args, slots):
     """The clock-stamp probes patch the CUDA sources at fixed anchors and exit when one moved:
