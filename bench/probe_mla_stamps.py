@@ -29,11 +29,18 @@ from stamp_probe import ENTRY, head, host_launch, make as patch, trace
 KERNEL = "csrc/cuda/sparse_mla.cu"
 _CTAS, _SLOTS = 512, 32
 
-# Two long source lines the anchors below take whole.
+# Source lines the anchors below take whole (_WAIT, _STORE: in both kernels).
 _BF16_WAIT = ("      cp_async_wait<4>();  // tile it (and Q) landed for this thread's copies;"
               " it + 1's may not\n")
 _FP8_BARRIER = ("    __syncthreads();  // tile it+1 and its flags complete;"
                 " everyone is done with tile it and P\n")
+_BF16_SMEM = ("  const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] ="
+              " smem_tiles<R, false>(smem_raw);\n")
+_FP8_SMEM = "      smem_tiles<R, true>(smem_raw);\n"
+_WAIT = ("  const WorkItem w = work_item<R>(a);\n"
+         "  await_earlier_kernels();  // (a programmatic launch: launch.cuh)\n")
+_STORE = "  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, a, w, sinks);\n"
+_END = "  ZS_PUT0(14, zs_t0);\n  if (threadIdx.x == 0) ZS_END(zs_t0, zs_g0)\n}\n"  # a kernel's end
 
 _LAUNCH = "  launch_programmatic(kernel, grid, dim3(Geom<R>::kThreads), bytes, stream, a);\n"
 # The kernels' stamps are thread 0's.
@@ -45,14 +52,7 @@ _PATCHES = [
      head(_CTAS, _SLOTS) + _PUT0
      + "// Warp layout of a CTA of 16 R heads (see the header comment).\n"),
     # bf16 kernel
-    ("  const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] = smem_tiles<R, false>(smem_raw);\n"
-     "  const WorkItem w = work_item<R>(a);\n"
-     "  await_earlier_kernels();  // (a programmatic launch: launch.cuh)\n",
-     ENTRY +
-     "  const auto [sQ, sK, sP, sRed, sRefs, sValid, sXchg] = smem_tiles<R, false>(smem_raw);\n"
-     "  const WorkItem w = work_item<R>(a);\n"
-     "  await_earlier_kernels();  // (a programmatic launch: launch.cuh)\n"
-     "  ZS_PUT0(1, zs_t0);\n"),
+    (_BF16_SMEM + _WAIT, ENTRY + _BF16_SMEM + _WAIT + "  ZS_PUT0(1, zs_t0);\n"),
     (_BF16_WAIT, _BF16_WAIT + "      if (it == 0) ZS_PUT0(3, zs_t0);\n"),
     ("      wgmma::fence_operands(reinterpret_cast<float(&)[G::OT * 4]>(acc[0][0]));\n    }\n",
      "      wgmma::fence_operands(reinterpret_cast<float(&)[G::OT * 4]>(acc[0][0]));\n"
@@ -63,29 +63,16 @@ _PATCHES = [
     ("      pv_issue<R>(acc, p_base, k_base, rg, cg, lane);\n      pv_wait<R>(acc);\n    }\n",
      "      pv_issue<R>(acc, p_base, k_base, rg, cg, lane);\n      pv_wait<R>(acc);\n"
      "      if (it < 10) ZS_PUT0(4 + it, zs_t0);\n    }\n"),
-    ("  cp_async_wait<0>();\n\n"
-     "  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, a, w, sinks);\n}\n",
-     "  cp_async_wait<0>();\n\n"
-     "  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, a, w, sinks);\n"
-     "  ZS_PUT0(14, zs_t0);\n  if (threadIdx.x == 0) ZS_END(zs_t0, zs_g0)\n}\n"),
+    ("  cp_async_wait<0>();\n\n" + _STORE + "}\n", "  cp_async_wait<0>();\n\n" + _STORE + _END),
     # FP8 kernel
-    ("      smem_tiles<R, true>(smem_raw);\n"
-     "  const WorkItem w = work_item<R>(a);\n"
-     "  await_earlier_kernels();  // (a programmatic launch: launch.cuh)\n",
-     "      smem_tiles<R, true>(smem_raw);\n" + ENTRY +
-     "  const WorkItem w = work_item<R>(a);\n"
-     "  await_earlier_kernels();  // (a programmatic launch: launch.cuh)\n"
-     "  ZS_PUT0(1, zs_t0);\n"),
+    (_FP8_SMEM + _WAIT, _FP8_SMEM + ENTRY + _WAIT + "  ZS_PUT0(1, zs_t0);\n"),
     ("  store_fp8_row(rows, sK, e, q);\n  if (q == 0) sValid[e] = rows.valid;\n",
      "  store_fp8_row(rows, sK, e, q);\n  if (q == 0) sValid[e] = rows.valid;\n"
      "  ZS_PUT0(2, zs_t0);\n"),
     ("  load_fp8_row(rows, ref1, q);\n  __syncthreads();\n",
      "  load_fp8_row(rows, ref1, q);\n  __syncthreads();\n  ZS_PUT0(3, zs_t0);\n"),
-    (_FP8_BARRIER + "  }\n\n"
-     "  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, a, w, sinks);\n}\n",
-     _FP8_BARRIER + "    if (it < 10) ZS_PUT0(4 + it, zs_t0);\n  }\n\n"
-     "  store_outputs<G::kHeads, G::OT, G::C>(acc, m_run, l_run, sRed, sQ, a, w, sinks);\n"
-     "  ZS_PUT0(14, zs_t0);\n  if (threadIdx.x == 0) ZS_END(zs_t0, zs_g0)\n}\n"),
+    (_FP8_BARRIER + "  }\n\n" + _STORE + "}\n",
+     _FP8_BARRIER + "    if (it < 10) ZS_PUT0(4 + it, zs_t0);\n  }\n\n" + _STORE + _END),
     # the launcher
     (_LAUNCH, host_launch(_LAUNCH, "grid.x * grid.y * grid.z", _CTAS, _SLOTS)),
 ]
@@ -97,8 +84,6 @@ def make(out: str) -> None:
 
 def run(cases: str) -> None:
     import torch
-
-    sys.path.insert(0, "bench")
     from bench_sparse_mla import make_inputs
 
     from zeroinfer.ops import sparse_mla_attention

@@ -94,8 +94,6 @@ def make(out: str, nowarm: bool) -> None:
 
 def run(cases: str) -> None:
     import torch
-
-    sys.path.insert(0, "bench")
     from ab_moe_cases import make_case
 
     gen = torch.Generator().manual_seed(0)
