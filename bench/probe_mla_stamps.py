@@ -69,8 +69,8 @@ _PATCHES = [
     ("  store_fp8_row(rows, sK, e, q);\n  if (q == 0) sValid[e] = rows.valid;\n",
      "  store_fp8_row(rows, sK, e, q);\n  if (q == 0) sValid[e] = rows.valid;\n"
      "  ZS_PUT0(2, zs_t0);\n"),
-    ("  load_fp8_row(rows, ref1, q);\n  __syncthreads();\n",
-     "  load_fp8_row(rows, ref1, q);\n  __syncthreads();\n  ZS_PUT0(3, zs_t0);\n"),
+    ("  prefetch_fp8_row<kP>(ref_load, q);\n  __syncthreads();\n",
+     "  prefetch_fp8_row<kP>(ref_load, q);\n  __syncthreads();\n  ZS_PUT0(3, zs_t0);\n"),
     (_FP8_BARRIER + "  }\n\n" + _STORE + "}\n",
      _FP8_BARRIER + "    if (it < 10) ZS_PUT0(4 + it, zs_t0);\n  }\n\n" + _STORE + _END),
     # the launcher
