@@ -46,3 +46,57 @@ def hf_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype=torch.fl
     if missing or unexpected:
         raise AssertionError(f"HF state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model.eval()
+
+
+def min_selection_margin(run) -> float:
+    """Smallest relative gap, over every discrete top-k choice `run()` makes in our graph (the
+    learned routers' choice in ops.moe_route, the indexers' top_entries), between the k-th and
+    (k+1)-th score. Two correct float32 implementations that sum in different orders can pick
+    differently when it is ~1e-5 (seen: an indexer gap of 2e-5 relative flipped one entry; a
+    router flip moved 2.5% of an MTP test's logits by up to 0.2), so HF comparisons draw inputs
+    whose choices are clear. The graph's own selection functions are wrapped, not torch.topk:
+    the routers run in C++ and the indexers' CPU top-k is a Tensor.topk on int64 keys."""
+    import torch.nn.functional as F
+
+    from zeroinfer import ops
+    from zeroinfer.model import attention
+
+    margins = [float("inf")]
+
+    def gap(scores: torch.Tensor, k: int) -> None:
+        v = scores.float().sort(dim=-1, descending=True).values
+        if v.shape[-1] <= k:
+            return
+        a, b = v[..., k - 1], v[..., k]
+        ok = torch.isfinite(a) & torch.isfinite(b)
+        if ok.any():
+            rel = (a - b).abs() / a.abs().clamp_min(1e-6)
+            margins.append(float(rel[ok].min()))
+
+    route, top = ops.moe_route, attention.top_entries
+
+    def route_hook(logits, k, **kw):
+        if kw.get("hash_table") is None:  # (hash routing makes no choice)
+            gap(F.softplus(logits.float()).sqrt() + kw["bias"].float(), k)
+        return route(logits, k, **kw)
+
+    def top_hook(scores, k):
+        gap(scores, k)
+        return top(scores, k)
+
+    ops.moe_route, attention.top_entries = route_hook, top_hook
+    try:
+        run()
+    finally:
+        ops.moe_route, attention.top_entries = route, top
+    return min(margins)
+
+
+def clear_tokens(gen: torch.Generator, n: int, vocab: int, run_with) -> list[int]:
+    """n random token ids in [2, vocab) whose every top-k choice in `run_with(ids)` has a relative
+    margin >= 1e-4 (redrawn otherwise; a near-tie in almost every draw would fail the search)."""
+    for _ in range(20):
+        ids = torch.randint(2, vocab, (n,), generator=gen).tolist()
+        if min_selection_margin(lambda ids=ids: run_with(ids)) >= 1e-4:
+            return ids
+    raise AssertionError("20 draws in a row had a near-tie top-k choice")
