@@ -11,7 +11,12 @@ from zeroinfer.model.dummy import DUMMY_CONFIGS, random_state_dict
 
 transformers = pytest.importorskip("transformers", minversion="5.23")
 
-from zeroinfer.testing.hf import clear_tokens, hf_model, min_selection_margin  # noqa: E402
+from zeroinfer.testing.hf import (  # noqa: E402
+    clear_tokens,
+    hf_model,
+    min_selection_margin,
+    random_tokens,
+)
 
 NAMES = sorted(DUMMY_CONFIGS)
 
@@ -23,10 +28,6 @@ def pair(request):
     ours = load(f"dummy:{name}", seed=7)
     hf = hf_model(cfg, random_state_dict(cfg, seed=7))
     return name, ours, hf
-
-
-def random_tokens(gen, n, vocab):
-    return torch.randint(2, vocab, (n,), generator=gen).tolist()
 
 
 def test_teacher_forced_logits_match_hf(pair, gen):

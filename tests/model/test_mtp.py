@@ -17,13 +17,9 @@ from zeroinfer.model import load
 from zeroinfer.model.config import MOE, SLIDING
 from zeroinfer.model.dummy import DUMMY_CONFIGS, random_state_dict
 from zeroinfer.model.weights import save_checkpoint
-from zeroinfer.testing.hf import clear_tokens
+from zeroinfer.testing.hf import clear_tokens, random_tokens
 
 NAMES = sorted(DUMMY_CONFIGS)
-
-
-def _tokens(gen, n, vocab):
-    return torch.randint(2, vocab, (n,), generator=gen).tolist()
 
 
 def _hf_oracle(name: str, seed: int):
@@ -112,7 +108,7 @@ def test_mtp_paged_chunks_and_chain_equal_full_run(gen):
     next position) equals the full run's over the same inputs."""
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     ours = load("dummy:tiny-yarn", seed=seed, mtp=True)
-    ids = _tokens(gen, 45, ours.config.vocab_size)
+    ids = random_tokens(gen, 45, ours.config.vocab_size)
     full = ours.mtp_logits(ids)
     r = ours.runner(max_seqs=2, max_len=64)
     streams: dict[int, torch.Tensor] = {}

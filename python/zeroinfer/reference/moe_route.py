@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 
 
+def selection_scores(logits, bias):
+    """What learned routing ranks: the sqrtsoftplus scores plus the selection-only bias."""
+    return F.softplus(logits).sqrt() + bias
+
+
 def moe_route_ref(logits, k, *, scale, bias=None, hash_table=None, input_ids=None):
     """(ids [T, k] int64, weights [T, k] float64) on the CPU; learned routing's ids in descending
     order of s + bias (torch.topk sorted; ties in torch's order)."""
@@ -16,7 +21,7 @@ def moe_route_ref(logits, k, *, scale, bias=None, hash_table=None, input_ids=Non
     if hash_table is not None:
         ids = hash_table.cpu()[input_ids.cpu()]
     else:
-        ids = torch.topk(s + bias.cpu(), k, dim=-1, sorted=True).indices
+        ids = torch.topk(selection_scores(logits, bias.cpu()), k, dim=-1, sorted=True).indices
     w = s.gather(1, ids)
     w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale
     return ids, w.double()

@@ -56,10 +56,9 @@ def min_selection_margin(run) -> float:
     router flip moved 2.5% of an MTP test's logits by up to 0.2), so HF comparisons draw inputs
     whose choices are clear. The graph's own selection functions are wrapped, not torch.topk:
     the routers run in C++ and the indexers' CPU top-k is a Tensor.topk on int64 keys."""
-    import torch.nn.functional as F
-
     from zeroinfer import ops
     from zeroinfer.model import attention
+    from zeroinfer.reference.moe_route import selection_scores
 
     margins = [float("inf")]
 
@@ -77,7 +76,7 @@ def min_selection_margin(run) -> float:
 
     def route_hook(logits, k, **kw):
         if kw.get("hash_table") is None:  # (hash routing makes no choice)
-            gap(F.softplus(logits.float()).sqrt() + kw["bias"].float(), k)
+            gap(selection_scores(logits.float(), kw["bias"].float()), k)
         return route(logits, k, **kw)
 
     def top_hook(scores, k):
@@ -92,11 +91,16 @@ def min_selection_margin(run) -> float:
     return min(margins)
 
 
+def random_tokens(gen: torch.Generator, n: int, vocab: int) -> list[int]:
+    """n random token ids in [2, vocab), drawn from gen."""
+    return torch.randint(2, vocab, (n,), generator=gen).tolist()
+
+
 def clear_tokens(gen: torch.Generator, n: int, vocab: int, run_with) -> list[int]:
     """n random token ids in [2, vocab) whose every top-k choice in `run_with(ids)` has a relative
     margin >= 1e-4 (redrawn otherwise; a near-tie in almost every draw would fail the search)."""
     for _ in range(20):
-        ids = torch.randint(2, vocab, (n,), generator=gen).tolist()
+        ids = random_tokens(gen, n, vocab)
         if min_selection_margin(lambda ids=ids: run_with(ids)) >= 1e-4:
             return ids
     raise AssertionError("20 draws in a row had a near-tie top-k choice")
