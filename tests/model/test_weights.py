@@ -490,6 +490,59 @@ def test_legacy_config_keys_give_the_same_config(tmp_path, gen, name):
     assert m.config == cfg
 
 
+def _rope_forms(gen, cfg: ModelConfig) -> dict[str, dict]:
+    """cfg's config.json with random YaRN parameters on the compress table, in every form
+    config.json gives them: legacy flat `rope_scaling` (with or without
+    original_max_position_embeddings, or a rope_theta of its own), transformers 5's flat
+    `rope_parameters`, and HF's nested {"main", "compress"}."""
+    def draw(lo, hi):
+        return float(torch.randint(lo, hi, (1,), generator=gen))
+
+    base = {k: v for k, v in cfg.to_hf_dict().items() if k != "rope_parameters"}
+    base.update(rope_theta=draw(1, 50) * 1000, compress_rope_theta=draw(50, 400) * 1000,
+                max_position_embeddings=int(2 ** draw(14, 21)))
+    yarn = {"factor": 2 ** draw(1, 6), "original_max_position_embeddings": int(2 ** draw(6, 13)),
+            "beta_fast": draw(16, 48), "beta_slow": draw(1, 3)}
+    main = {"rope_type": "default", "rope_theta": base["rope_theta"],
+            "partial_rotary_factor": 0.125}
+    compress = {"rope_type": "yarn", "rope_theta": base["compress_rope_theta"],
+                "partial_rotary_factor": 0.125, **yarn}
+    no_orig = {k: v for k, v in yarn.items() if k != "original_max_position_embeddings"}
+    return {
+        "rope_scaling": {**base, "rope_scaling": {"type": "yarn", **yarn}},
+        "rope_scaling without original_max": {**base, "rope_scaling": {"type": "yarn", **no_orig}},
+        "rope_scaling with a rope_theta": {**base, "rope_scaling": {
+            "type": "yarn", "rope_theta": base["rope_theta"], **yarn}},
+        "flat rope_parameters": {**base, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": base["rope_theta"], **yarn}},
+        "nested": {**base, "rope_parameters": {"main": main, "compress": compress}},
+        "nested without attention_factor or original_max": {**base, "rope_parameters": {
+            "main": main, "compress": {k: v for k, v in compress.items()
+                                       if k != "original_max_position_embeddings"}}},
+        "nested with attention_factor": {**base, "rope_parameters": {
+            "main": main, "compress": {**compress, "attention_factor": 1 + draw(1, 9) / 10}}},
+    }
+
+
+def test_rope_scaling_forms_give_hf_rope_tables(gen):
+    """Every form of the YaRN parameters in config.json gives the RoPE tables (inv_freq of
+    both tables and the compress table's cos/sin factor) that HF's DeepseekV4RotaryEmbedding
+    builds from the same file."""
+    transformers = pytest.importorskip("transformers", minversion="5.23")
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    from zeroinfer.model.rope import RopeTables
+
+    for form, d in _rope_forms(gen, DUMMY_CONFIGS["tiny-yarn"]).items():
+        ours = RopeTables(ModelConfig.from_hf_dict(copy.deepcopy(d)), torch.device("cpu"))
+        hf = DeepseekV4RotaryEmbedding(transformers.DeepseekV4Config(**copy.deepcopy(d)))
+        for table in ("main", "compress"):
+            want = getattr(hf, f"{table}_inv_freq")
+            assert torch.allclose(getattr(ours, table), want, rtol=1e-6, atol=0), (form, table)
+            assert ours.scaling[table] == pytest.approx(
+                getattr(hf, f"{table}_attention_scaling"), rel=1e-12), (form, table)
+
+
 # ---------------------------------------------------------------- against HF logits
 
 

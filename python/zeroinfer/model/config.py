@@ -147,23 +147,34 @@ class ModelConfig:
             rope_dim = int(head_dim * float(d["partial_rotary_factor"]))
         else:
             rope_dim = int(d.get("qk_rope_head_dim", 64))
-        rope_params = d.get("rope_parameters") or {}
-        nested = rope_params.get("compress") if isinstance(rope_params, dict) else None
-        compress = nested or d.get("rope_scaling") or {}
+        # As HF reads them: a legacy `rope_scaling` wins over `rope_parameters`; only a dict
+        # with both "main" and "compress" is nested. Otherwise the dict (legacy, or
+        # transformers 5's flat form) is the compress table's scaling, whose base is
+        # compress_rope_theta whatever rope_theta the dict holds (that is the main table's).
+        rope_params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        nested = (rope_params["compress"] if isinstance(rope_params.get("main"), dict)
+                  and isinstance(rope_params.get("compress"), dict) else None)
+        compress = nested or {k: v for k, v in rope_params.items()
+                              if k not in ("main", "compress", "rope_theta")}
         yarn = None
         if compress.get("rope_type", compress.get("type")) == "yarn":
+            if compress.get("factor") is None:
+                raise ValueError("config.json: YaRN rope scaling without a 'factor'")
             factor = float(compress["factor"])
             att = compress.get("attention_factor")
             if att is None:
                 att = _yarn_mscale(factor, compress) if nested else 1.0
+            # (HF falls back to max_position_embeddings, whose default is V4's 1M)
+            orig = compress.get("original_max_position_embeddings",
+                                d.get("max_position_embeddings", 1 << 20))
             yarn = YarnScaling(
                 factor=factor,
-                original_max_position_embeddings=int(compress["original_max_position_embeddings"]),
+                original_max_position_embeddings=int(orig),
                 beta_fast=float(compress.get("beta_fast") or 32.0),
                 beta_slow=float(compress.get("beta_slow") or 1.0),
                 attention_factor=float(att),
             )
-        main = rope_params.get("main", {}) if isinstance(rope_params, dict) else {}
+        main = rope_params["main"] if nested else {}
         eos = d.get("eos_token_id", 1)
         quant = d.get("quantization_config") or {}
         expert_dtype = "fp4" if quant.get("expert_dtype", "fp4") == "fp4" and quant else "dense"
