@@ -408,6 +408,26 @@ def test_fp8_experts_with_float32_scales_flash_base_style(tmp_path, gen):
     assert_same_values(want, got)
 
 
+@pytest.mark.parametrize("top,inner", [(t, i) for t in (None, "fp4", "fp8")
+                                       for i in (None, "fp4", "fp8") if t or i])
+def test_expert_dtype_in_config_json(tmp_path, gen, top, inner):
+    """V4 configs may give expert_dtype at the top level ("fp4" for Flash, "fp8" for
+    Flash-Base; HF copies it into quantization_config unless that has its own, which wins)
+    or in quantization_config (V4.1). Either way the checkpoint loads; FP4 experts mean
+    expert_dtype "fp4", any other "dense" (re-packed to MXFP4 if exactly representable)."""
+    state, path = write_native(tmp_path, gen)
+    d = json.loads((path / "config.json").read_text())
+    d["quantization_config"].pop("expert_dtype")
+    if top:
+        d["expert_dtype"] = top
+    if inner:
+        d["quantization_config"]["expert_dtype"] = inner
+    (path / "config.json").write_text(json.dumps(d))
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.expert_dtype == ("fp4" if (inner or top) == "fp4" else "dense")
+    assert_state_equal(params_of(path), dequantized_state(path), f"{top} / {inner}")
+
+
 def test_dequantization_matches_transformers(tmp_path, gen):
     """HF's own FP8/FP4 dequantization (Fp8Dequantize) of every scaled tensor in our file
     gives exactly the parameters we load."""

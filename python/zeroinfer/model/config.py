@@ -177,9 +177,12 @@ class ModelConfig:
         main = rope_params["main"] if nested else {}
         eos = d.get("eos_token_id", 1)
         quant = d.get("quantization_config") or {}
-        expert_dtype = "fp4" if quant.get("expert_dtype", "fp4") == "fp4" and quant else "dense"
-        if "expert_dtype" in d:
-            expert_dtype = d["expert_dtype"]
+        # V4 ships expert_dtype at the top level ("fp4"; Flash-Base "fp8"), V4.1 in
+        # quantization_config; HF copies the former into the latter unless it has its own.
+        # Experts not in FP4 are "dense" to us (re-packed to MXFP4 at load if exact).
+        given = quant.get("expert_dtype", d.get("expert_dtype"))
+        expert_dtype = ("fp4" if quant else "dense") if given is None else \
+            "fp4" if given == "fp4" else "dense"
         known = {f.name for f in fields(cls)}
         simple = {k: d[k] for k in (
             "vocab_size", "hidden_size", "num_attention_heads", "q_lora_rank", "o_groups",
