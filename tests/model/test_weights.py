@@ -452,6 +452,32 @@ def test_dequantization_matches_transformers(tmp_path, gen):
         assert torch.equal(h, ours), k
 
 
+@pytest.mark.parametrize("layout", ["native", "hybrid", "hf"])
+def test_tied_word_embeddings(tmp_path, gen, layout):
+    """With tie_word_embeddings, HF's save_pretrained leaves the LM head out and HF's
+    DeepseekV4ForCausalLM ties it to the embedding: the head is the embedding. A head that
+    the checkpoint does hold is loaded as it is (HF unties what the file gives twice)."""
+    _, native = write_native(tmp_path, gen)
+    want = params_of(native)
+    path = save_checkpoint(tmp_path / layout, want, CFG, layout=layout)
+    files = read_all(path)
+    head = "lm_head.weight" if layout == "hf" else "head.weight"
+    embed = "embed.weight" if layout == "native" else "model.embed_tokens.weight"
+    kept = files.pop(head)
+    d = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**d, "tie_word_embeddings": True}))
+    save_file(files, str(path / "model.safetensors"))
+    got = params_of(path)
+    assert torch.equal(got["lm_head.weight"], files[embed].float())
+    assert_same_values({k: t for k, t in want.items() if k != "lm_head.weight"},
+                       {k: t for k, t in got.items() if k != "lm_head.weight"})
+    save_file({**files, head: kept}, str(path / "model.safetensors"))
+    assert torch.equal(params_of(path)["lm_head.weight"], kept.float())
+    (path / "config.json").write_text(json.dumps(d))  # untied: the head is missing
+    save_file(files, str(path / "model.safetensors"))
+    _expect_error_naming(path, head)
+
+
 def test_mtp_tensors_are_ignored_and_dequantized_state(tmp_path, gen):
     _, path = write_native(tmp_path, gen)
     files = read_all(path)

@@ -77,6 +77,9 @@ class ModelConfig:
     # its own (sliding-window attention: compress ratio 0; a learned router) between the
     # projections of the next token's embedding and the last layer's streams, and a head.
     num_nextn_predict_layers: int = 0
+    # The LM head is the embedding where the checkpoint has no head of its own (HF's
+    # _tied_weights_keys; save_pretrained leaves a tied head out).
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -189,7 +192,8 @@ class ModelConfig:
             "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
             "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
             "routed_scaling_factor", "swiglu_limit", "rms_norm_eps", "hc_mult",
-            "hc_sinkhorn_iters", "hc_eps", "bos_token_id", "num_nextn_predict_layers")
+            "hc_sinkhorn_iters", "hc_eps", "bos_token_id", "num_nextn_predict_layers",
+            "tie_word_embeddings")
             if k in d and k in known}
         return cls(
             **simple,
@@ -248,6 +252,6 @@ class ModelConfig:
                 "compress": compress,
             },
             "eos_token_id": list(self.eos_token_id),
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": 1 << 20,
         }

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -560,6 +560,11 @@ def _plan(files: _Files, config: ModelConfig, params: dict[str, torch.Tensor],
                         f"{E} routed experts)")
     if problems:
         raise ValueError("; ".join(problems))
+    # A tied head (HF's save_pretrained leaves it out): the embedding's tensor read again. A
+    # head the checkpoint does hold is its own (HF unties what is given twice).
+    if c.tie_word_embeddings and not any("lm_head.weight" in r.targets for r in recipes):
+        recipes += [replace(r, targets=["lm_head.weight"]) for r in recipes
+                    if r.targets == ["model.embed_tokens.weight"]]
 
     for layer in sorted(native_experts):
         got = native_experts[layer]
