@@ -756,6 +756,23 @@ def test_sharded_checkpoint_errors(base, tmp_path, gen):
     _expect_error_naming(path, "layers.0.attn.ghost.weight")
 
 
+def test_sharded_index_with_a_bad_shard_name_is_named(tmp_path, gen):
+    """An index whose weight_map gives a tensor something other than a shard's file name:
+    the error names the index and the tensor (not a bare TypeError from a path join)."""
+    path = save_checkpoint(tmp_path / "sh", random_state_dict(CFG, random_seed(gen)), CFG,
+                           max_shard_bytes=400_000)
+    f = path / "model.safetensors.index.json"
+    index = json.loads(f.read_text())
+    names = sorted(index["weight_map"])
+    victim = names[int(torch.randint(0, len(names), (1,), generator=gen))]
+    for bad in (None, 3, [index["weight_map"][victim]]):
+        index["weight_map"][victim] = bad
+        f.write_text(json.dumps(index))
+        with pytest.raises(ValueError) as ei:
+            load(path)
+        assert str(f) in str(ei.value) and victim in str(ei.value), str(ei.value)
+
+
 def test_missing_files_and_directories(tmp_path, gen):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load(tmp_path / "nowhere")

@@ -348,6 +348,10 @@ class _Files:
             except (json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
                 raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' "
                                  f"object): {e!r}") from e
+            for k, name in weight_map.items():  # (before any path is joined with them)
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"{index}: tensor {k!r} is mapped to {name!r}, not to a "
+                                     "shard's file name")
             files: list[Path] = []
             for name in weight_map.values():
                 f = path / name
