@@ -316,3 +316,44 @@ def test_cuda_speculation_in_decode_graphs(gen, drafter):
         assert eng.scheduler.num_accepted > 0
     steps = eng.runner.graphs.steps
     assert any(k[1] > 1 and s.graph is not None for k, s in steps.items())
+
+
+def test_abort_before_the_device_runs_the_round(model, gen):
+    """Pipelined rounds: aborts of running requests while the round in flight has not yet run
+    on the device (the CPU's emulated device held back by a gate; on a GPU the host runs ahead
+    of the device the same way). The
+    aborted request's slot is released on the host at once; the round must still run with the
+    slots it was launched with, and every other request gives the tokens of a run without the
+    aborts."""
+    import threading
+
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    work = [(p, dataclasses.replace(sp, max_tokens=rng.randint(4, 24)))
+            for p, sp in _workload(rng, 10, model.config.vocab_size)]
+    plain, _ = _run(model, work)
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, max_num_batched_tokens=64,
+                       decode_graphs=True, speculative=SpeculativeConfig(3))
+    eng = LLMEngine(model, cfg, seed=3)
+    assert eng.spec_pipelined  # (a synchronous step waits for its round: the gate would hang)
+    reqs = [eng.add_request(p, sp) for p, sp in work]
+    aborted = set()
+    while eng.has_work():
+        gate = threading.Event()
+        eng.runner.emulated.submit(gate.wait)  # the round this step launches waits behind it
+        eng.step()
+        running = [i for i, r in enumerate(reqs) if r.status.value == "running"]
+        # (the first round, of prompts, is built on the host; the later ones mostly on the device)
+        if running and (not aborted or rng.random() < 0.3):
+            i = rng.choice(running)
+            eng.abort(reqs[i].request_id)
+            aborted.add(i)
+        gate.set()
+    eng.finish()
+    assert eng.blocks.all_free(), "KV blocks leaked"
+    assert aborted
+    for i, (r, (out, reason, _)) in enumerate(zip(reqs, plain)):
+        if i in aborted:
+            assert r.finish_reason == "abort" and r.output_ids == out[:len(r.output_ids)]
+        else:
+            assert (r.output_ids, r.finish_reason) == (out, reason), i
+    eng.close()

@@ -491,7 +491,10 @@ class ModelRunner:
         each row from its first sampled position, its ids from there, its real drafts)."""
         i64 = torch.int64
         rows = batch.rows
-        slots = [r.req.slot for r in rows for _ in range(r.num_tokens)]
+        # the slots as launched (host["slots"]), not the requests': on the CPU this runs on the
+        # emulated device after launch returned, and an abort meanwhile has released the slot
+        host_slots = host["slots"]
+        slots = [s for s, r in zip(host_slots, rows) for _ in range(r.num_tokens)]
         self.spec_state.write(self._tensor(slots, i64), positions.to(i64), input_ids.to(i64))
         sample = [rows[i] for i in batch.sample_rows]
         if not sample:
@@ -505,7 +508,7 @@ class ModelRunner:
             drafts.append(r.drafts)
             draw_at.append([k + min(j, m - 1) for j in range(q)])
             k += m
-        host["spec_rows"] = (self._tensor([r.req.slot for r in sample], i64),
+        host["spec_rows"] = (self._tensor([host_slots[i] for i in batch.sample_rows], i64),
                              self._tensor(ctx, i64), self._tensor(ids, i64),
                              self._tensor(drafts, i64), self._tensor(draw_at, i64))
 
