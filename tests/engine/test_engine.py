@@ -145,6 +145,33 @@ def test_prompt_logits_equal_teacher_forcing(model, gen):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
+def test_prompt_logits_survive_preemption(model, gen, async_scheduling):
+    """A prompt-scoring request preempted between its chunks (a KV budget too small for it and
+    two decoding requests) is prefilled again from the start: its logits are still one row a
+    prompt token, teacher forcing's, and the decoding requests' tokens are greedy decoding's."""
+    V = model.config.vocab_size
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=8,
+                       kv_cache_bytes=int(96 * sum(kv_bytes_per_token(model).values())),
+                       async_scheduling=async_scheduling)
+    eng = LLMEngine(model, cfg)
+    # (the schedule, and so the preemption, follows the lengths alone: the ids are drawn fresh)
+    prompts = [torch.randint(2, V, (20,), generator=gen).tolist() for _ in range(2)]
+    decodes = [eng.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+               for p in prompts]
+    ids = torch.randint(2, V, (40,), generator=gen).tolist()
+    req = eng.add_request(ids, SamplingParams(max_tokens=1), prompt_logits=True)
+    eng.finish()
+    assert eng.blocks.all_free()
+    eng.close()
+    assert req.num_preemptions > 0  # (the scenario under test)
+    got = torch.cat(req.prompt_logits)
+    assert got.shape[0] == len(ids) and req.finish_reason == "length"
+    assert torch.equal(got, model.logits(ids))
+    for r, p in zip(decodes, prompts):
+        assert r.output_ids == model.greedy(p, 30)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
 def test_chunked_prompt_alone_equals_greedy(model, gen, async_scheduling):
     """One long prompt in chunks of a few tokens: its first rounds sample nothing, and must
     still fill the caches (they once skipped the forward)."""

@@ -353,6 +353,8 @@ class Scheduler:
             req = batch.rows[i].req
             if req.finished:
                 continue
+            if batch.rows[i].start == 0:  # the first chunk - again after a preemption, whose
+                req.prompt_logits.clear()  # recompute gives the chunks before it again
             req.prompt_logits.append(logits)
             if sum(t.shape[0] for t in req.prompt_logits) >= len(req.prompt_ids):
                 self._finish(req, "length")
