@@ -211,6 +211,37 @@ def test_bad_specs_are_named_and_the_engine_keeps_serving(llm):
                         use_tqdm=False)
 
 
+def test_a_refused_request_leaves_the_engine_as_it_was(llm, gen):
+    """A request whose grammar does not compile, after good ones: refused with nothing of the
+    call left queued, and nothing drawn for it - the requests after it get the ids, seeds and
+    tokens they get without it."""
+    from zeroinfer.engine.engine import LLMEngine
+
+    prompts = [torch.randint(2, 1000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 12, (3,), generator=gen)]
+    good = SamplingParams(max_tokens=4, temperature=0.8, ignore_eos=True)  # (the engine's seeds)
+    bad = SamplingParams(max_tokens=4, structured=StructuredOutput(regex="(unclosed"))
+    with pytest.raises(ValueError, match="prompt 2: .*regex does not compile"):
+        llm.generate(prompts, [good, good, bad], use_tqdm=False)
+    assert not llm.engine.has_work() and llm.engine.blocks.all_free()
+
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+
+    def run(refused: bool):
+        eng = LLMEngine(llm.model, llm.engine.cfg, seed=seed, tokenizer=llm.tokenizer)
+        reqs = [eng.add_request(prompts[0], good)]
+        if refused:
+            with pytest.raises(ValueError, match="regex does not compile"):
+                eng.add_request(prompts[1], bad)
+        reqs += [eng.add_request(p, good) for p in prompts[1:]]
+        eng.finish()
+        assert eng.blocks.all_free()
+        eng.close()
+        return [(r.request_id, r.seed, r.output_ids) for r in reqs]
+
+    assert run(refused=True) == run(refused=False)
+
+
 def test_cli_structured_flags(tmp_path, capsys):
     pytest.importorskip("xgrammar")
     from zeroinfer.__main__ import main

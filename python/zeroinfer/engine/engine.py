@@ -192,23 +192,27 @@ class LLMEngine:
                 k.blocks_for(longest) > k.num_blocks for k in self.blocks.kinds):
             raise ValueError(f"a request of up to {longest} tokens cannot fit in the KV cache; "
                              "raise kv_cache_bytes or lower max_tokens")
+        if params.structured is not None:  # a grammar that does not compile (compiled once:
+            self._grammars().matcher(params.structured)  # xgrammar caches it for add_request)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *,
                     request_id: str | None = None, prompt_logits: bool = False) -> Request:
         """Validate and queue a request; raises ValueError/TypeError, leaving the engine as it was."""
         self.check_request(prompt_ids, params)
+        # (whatever can still fail comes before the id and the seed are drawn: a refused
+        # request changes no other request's id or seed)
+        matcher = None if params.structured is None else self._grammars().matcher(
+            params.structured)
         rid = request_id if request_id is not None else str(next(self.counter))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         req = Request(rid, len(self.requests), list(prompt_ids), params, seed,
-                      want_prompt_logits=prompt_logits)
+                      want_prompt_logits=prompt_logits, matcher=matcher)
         if params.stop and self.tokenizer is not None:
             from zeroinfer.tokenizer import IncrementalDetokenizer
 
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)
-        if params.structured is not None:
-            req.matcher = self._grammars().matcher(params.structured)
         if self.cfg.speculative is not None:
             spec = self.cfg.speculative
             req.drafter = (DeviceDrafts() if spec.method == "mtp"
