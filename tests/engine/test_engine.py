@@ -200,6 +200,7 @@ def test_bad_requests_rejected_while_others_finish(model):
         ([1, -1], SamplingParams(), "outside the vocabulary"),
         ([2] * 33, SamplingParams(), "max_model_len"),
         ([2, 3], "greedy", "SamplingParams"),
+        ([2, 3], SamplingParams(stop=["x"]), "stop strings need a tokenizer"),  # (it has none)
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
             eng.add_request(prompt, params)

@@ -192,6 +192,9 @@ class LLMEngine:
                 k.blocks_for(longest) > k.num_blocks for k in self.blocks.kinds):
             raise ValueError(f"a request of up to {longest} tokens cannot fit in the KV cache; "
                              "raise kv_cache_bytes or lower max_tokens")
+        if params.stop and self.tokenizer is None:  # (they are matched in the decoded text)
+            raise ValueError("stop strings need a tokenizer (the engine has none); use "
+                             "stop_token_ids")
         if params.structured is not None:  # a grammar that does not compile (compiled once:
             self._grammars().matcher(params.structured)  # xgrammar caches it for add_request)
 
@@ -209,7 +212,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         req = Request(rid, len(self.requests), list(prompt_ids), params, seed,
                       want_prompt_logits=prompt_logits, matcher=matcher)
-        if params.stop and self.tokenizer is not None:
+        if params.stop:
             from zeroinfer.tokenizer import IncrementalDetokenizer
 
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)
