@@ -55,6 +55,20 @@ def test_prompt_logits_match_the_model(llm):
     assert torch.equal(got, llm.model.logits(ids))
 
 
+def test_finished_requests_are_not_kept(llm, gen):
+    """A call's requests leave the engine with their outputs: a long-lived LLM (`zeroinfer
+    chat`) kept every past request, with prompt_logits' [tokens, vocab] logits each."""
+    V = llm.model.config.vocab_size
+    prompts = [torch.randint(2, V, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 20, (3,), generator=gen)]
+    before = set(llm.engine.requests)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3), use_tqdm=False)
+    logits = llm.prompt_logits(prompts[0])
+    assert set(llm.engine.requests) == before  # (the module's other calls: none either)
+    assert logits.shape == (len(prompts[0]), V) and len(outs) == 3
+    assert not llm.engine.has_work() and llm.engine.blocks.all_free()
+
+
 def test_chat_parses_reply(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4), use_tqdm=False)[0]
     assert out.message is not None and isinstance(out.message.content, str)
