@@ -209,3 +209,20 @@ def test_bad_requests_rejected_while_others_finish(model):
     assert all(len(r.output_ids) == 6 and r.finish_reason == "length" for r in good)
     assert eng.blocks.all_free()
     eng.close()
+
+
+def test_own_ids_beside_caller_ids(model, gen):
+    """Request ids a caller chose that look like the engine's own numbering ("0", "1", ...):
+    the engine's ids skip them (it once gave a taken id and refused its own request)."""
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=32))
+    taken = {str(int(i)) for i in torch.randint(0, 6, (3,), generator=gen)}
+    for rid in taken:
+        assert eng.add_request([3, 4], SamplingParams(max_tokens=1), request_id=rid).request_id == rid
+    ids = [eng.add_request([3, 4], SamplingParams(max_tokens=1)).request_id for _ in range(6)]
+    assert len(set(ids)) == 6 and not set(ids) & taken
+    with pytest.raises(ValueError, match="already in use"):  # (a caller's own clash still is one)
+        eng.add_request([3, 4], SamplingParams(), request_id=ids[0])
+    eng.finish()
+    assert eng.blocks.all_free()
+    eng.close()
+

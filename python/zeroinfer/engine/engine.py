@@ -206,7 +206,9 @@ class LLMEngine:
         # request changes no other request's id or seed)
         matcher = None if params.structured is None else self._grammars().matcher(
             params.structured)
-        rid = request_id if request_id is not None else str(next(self.counter))
+        rid = request_id
+        while rid is None or (request_id is None and rid in self.requests):
+            rid = str(next(self.counter))  # (past the ids a caller chose: "0", "1", ...)
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
