@@ -158,7 +158,8 @@ class LLMEngine:
         model.net.rope(model.device)  # build the RoPE tables now, not inside a launch
         self.scheduler.round_done = self._round_done
         self.rng = random.Random(seed)
-        self.counter = itertools.count()
+        self.counter = itertools.count()  # the engine's own request ids
+        self.submitted = itertools.count()  # Request.index (LLM drops finished requests)
         self.requests: dict[str, Request] = {}
         self.inflight: tuple[ScheduledBatch, RoundHandle] | None = None
         self.live: dict[int, RoundHandle] = {}
@@ -212,7 +213,7 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        req = Request(rid, len(self.requests), list(prompt_ids), params, seed,
+        req = Request(rid, next(self.submitted), list(prompt_ids), params, seed,
                       want_prompt_logits=prompt_logits, matcher=matcher)
         if params.stop:
             from zeroinfer.tokenizer import IncrementalDetokenizer
