@@ -37,6 +37,21 @@ def test_seeded_sampling_is_reproducible_and_logprobs(llm):
     assert len(a.logprobs) == 6 and all(lp <= 0 and len(top) == 2 for lp, top in a.logprobs)
 
 
+def test_integer_ids_of_any_integral_type(llm, gen):
+    """Token ids as numpy integers (what a tokenizer or a dataset hands over) are token ids:
+    the same tokens as the Python ints, and a Python-int prompt in the output."""
+    np = pytest.importorskip("numpy")
+    ids = torch.randint(3, 1000, (int(torch.randint(2, 9, (1,), generator=gen)),),
+                        generator=gen).tolist()
+    p = SamplingParams(temperature=0.8, max_tokens=4, seed=int(torch.randint(0, 1000, (1,),
+                                                                            generator=gen)))
+    want = llm.generate([ids], p, use_tqdm=False)[0]
+    for kind in (np.int64, np.int32, np.uint16):
+        got = llm.generate([[kind(t) for t in ids]], p, use_tqdm=False)[0]
+        assert got.token_ids == want.token_ids, kind
+        assert got.prompt_token_ids == ids and all(type(t) is int for t in got.prompt_token_ids)
+
+
 def test_stop_strings_cut_the_text(llm):
     free = llm.generate(["Hello"], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
                         use_tqdm=False)[0]
@@ -156,3 +171,8 @@ def test_cli_rejects_bad_input():
     r = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "x", "--max-tokens", "0"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "max_tokens" in r.stderr
+    for flags in (["--json-schema", "@/nowhere/schema.json"], ["--file", "/nowhere/prompts.txt"]):
+        r = subprocess.run([sys.executable, "-m", "zeroinfer", "generate", "x", *flags],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "/nowhere/" in r.stderr and "Traceback" not in r.stderr, \
+            r.stderr

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         return a.fn(a)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError) as e:  # (OSError: a --file or @schema not there)
         print(f"zeroinfer {a.cmd}: error: {e}", file=sys.stderr)
         return 2
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,11 +94,11 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"prompt {i} is text but the LLM has no tokenizer")
             return prompt, self.tokenizer.encode(prompt, add_bos=True)
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                for t in prompt):
+        if isinstance(prompt, Sequence) and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             if not prompt:
                 raise ValueError(f"prompt {i} is an empty token list")
-            return None, list(prompt)
+            return None, [int(t) for t in prompt]  # (numpy's integers are Integral too)
         raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def _output(self, prompt: str | None, req: Request) -> RequestOutput:

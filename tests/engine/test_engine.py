@@ -201,6 +201,8 @@ def test_bad_requests_rejected_while_others_finish(model):
         ([2] * 33, SamplingParams(), "max_model_len"),
         ([2, 3], "greedy", "SamplingParams"),
         ([2, 3], SamplingParams(stop=["x"]), "stop strings need a tokenizer"),  # (it has none)
+        ([2, 3.0], SamplingParams(), "not an integer token id"),
+        ([2, True], SamplingParams(), "not an integer token id"),
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
             eng.add_request(prompt, params)

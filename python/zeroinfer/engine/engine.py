@@ -20,6 +20,7 @@ parallelism) speculative rounds are synchronous.
 from __future__ import annotations
 
 import itertools
+import numbers
 import random
 import time
 from dataclasses import dataclass
@@ -179,8 +180,11 @@ class LLMEngine:
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise ValueError("prompt must be a non-empty list of token ids")
         V = self.model.config.vocab_size
-        for i, t in enumerate(prompt_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+        for i, t in enumerate(prompt_ids):  # (numpy's integers are Integral too)
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"prompt token {i} = {t!r} is a {type(t).__name__}, not an "
+                                "integer token id")
+            if not 0 <= t < V:
                 raise ValueError(f"prompt token {i} = {t!r} is outside the vocabulary [0, {V})")
         if len(prompt_ids) > self.cfg.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than max_model_len="
@@ -213,7 +217,7 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        req = Request(rid, next(self.submitted), list(prompt_ids), params, seed,
+        req = Request(rid, next(self.submitted), [int(t) for t in prompt_ids], params, seed,
                       want_prompt_logits=prompt_logits, matcher=matcher)
         if params.stop:
             from zeroinfer.tokenizer import IncrementalDetokenizer
