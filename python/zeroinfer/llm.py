@@ -136,14 +136,8 @@ class LLM:
         self.engine.finish()
         if bar is not None:
             bar.close()
-        self._forget(reqs)
+        self.engine.release([r.request_id for r in reqs])  # (outputs taken below)
         return [self._output(p, r) for (p, _), r in zip(encoded, reqs)]
-
-    def _forget(self, reqs: list[Request]) -> None:
-        """The engine keeps every request it was given (abort, id checks) until told: a
-        finished call's go with their outputs, or a long-lived LLM would hold them all."""
-        for r in reqs:
-            self.engine.requests.pop(r.request_id, None)
 
     def _params(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
@@ -197,5 +191,5 @@ class LLM:
         while self.engine.has_work():
             self.engine.step()
         self.engine.finish()
-        self._forget([req])
+        self.engine.release([req.request_id])
         return torch.cat([t.float() for t in req.prompt_logits]).cpu()

@@ -213,6 +213,32 @@ def test_bad_requests_rejected_while_others_finish(model):
     eng.close()
 
 
+def test_release_forgets_finished_requests(model, gen):
+    """release() drops finished requests (a long-lived engine would otherwise hold every one,
+    prompt logits included) and frees their ids; it refuses a running or unknown one."""
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=32))
+    n = int(torch.randint(2, 5, (1,), generator=gen))
+    short = eng.add_request([3, 4], SamplingParams(max_tokens=1, ignore_eos=True), request_id="a")
+    long_ = eng.add_request([5, 6], SamplingParams(max_tokens=n + 8, ignore_eos=True))
+    while not short.finished:
+        eng.step()
+    with pytest.raises(ValueError, match="has not finished"):
+        eng.release(["a", long_.request_id])
+    assert set(eng.requests) == {"a", long_.request_id}  # (nothing released)
+    with pytest.raises(KeyError, match="nowhere"):
+        eng.release(["nowhere"])
+    eng.release(["a"])
+    assert list(eng.requests) == [long_.request_id]
+    with pytest.raises(KeyError):
+        eng.abort("a")
+    again = eng.add_request([3, 4], SamplingParams(max_tokens=1), request_id="a")  # (free again)
+    eng.drain()
+    eng.finish()
+    eng.release([again.request_id, long_.request_id])
+    assert not eng.requests and eng.blocks.all_free() and len(long_.output_ids) == n + 8
+    eng.close()
+
+
 def test_own_ids_beside_caller_ids(model, gen):
     """Request ids a caller chose that look like the engine's own numbering ("0", "1", ...):
     the engine's ids skip them (it once gave a taken id and refused its own request)."""

@@ -248,6 +248,19 @@ class LLMEngine:
             raise KeyError(f"no request {request_id!r}")
         self.scheduler.abort(req)
 
+    def release(self, request_ids) -> None:
+        """Forget finished requests whose outputs the caller has taken (the engine keeps every
+        request it was given until then - for abort() and the id checks - so a long-lived
+        engine's caller releases them; LLM does after each call). Their ids become free."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                raise KeyError(f"no request {rid!r}")
+            if not req.finished:
+                raise ValueError(f"request {rid!r} has not finished; abort it first")
+        for rid in request_ids:
+            del self.requests[rid]
+
     def has_work(self) -> bool:
         """Whether a step would do anything. Under expert parallelism: on any rank of the
         group (a collective: ranks loop `while has_work(): step()` together)."""
