@@ -176,3 +176,20 @@ def test_cli_rejects_bad_input():
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "/nowhere/" in r.stderr and "Traceback" not in r.stderr, \
             r.stderr
+
+
+def test_stop_strings_that_never_complete_keep_the_whole_text(llm, gen):
+    """A request with stop strings that ends by max_tokens (or EOS) without hitting one: its
+    text is the whole output's. The streaming detokenizer holds back a tail that could still
+    grow into a stop string; the end of the request must release it, not drop it."""
+    params = dict(max_tokens=int(torch.randint(4, 10, (1,), generator=gen)), ignore_eos=True,
+                  temperature=0.0)
+    prompt = [int(t) for t in torch.randint(3, 1000, (5,), generator=gen)]
+    free = llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]
+    assert free.text
+    for k in (1, 2, 3):  # the text's last characters, then one it never has
+        stop = free.text[-k:] + "\ue000\U000f0000"
+        got = llm.generate([prompt], SamplingParams(**params, stop=[stop]), use_tqdm=False)[0]
+        assert got.token_ids == free.token_ids and got.finish_reason == "length"
+        assert got.text == free.text, (k, stop)
+

@@ -296,6 +296,9 @@ class LLMEngine:
         result = handle.result()
         done = self.scheduler.commit(batch, result, self._on_token)
         self.live.pop(batch.round_id, None)
+        for req in done:  # (ended by max_tokens / EOS: the detokenizer holds back a tail that
+            if req.detok is not None:  # could have grown into a stop string; release it)
+                req.detok.finish()
         return done
 
     def step(self) -> list[Request]:
