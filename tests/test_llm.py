@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from zeroinfer import LLM, SamplingParams
+from zeroinfer.llm import RequestOutput
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +194,40 @@ def test_stop_strings_that_never_complete_keep_the_whole_text(llm, gen):
         assert got.token_ids == free.token_ids and got.finish_reason == "length"
         assert got.text == free.text, (k, stop)
 
+
+def test_chat_parses_the_reply_of_the_request_it_encoded(llm, gen, monkeypatch):
+    """chat() parses each reply with the request it encoded: an assistant prefix continuation
+    (the prompt already closed the thinking: the reply is content), and tools (a tool call in
+    the reply becomes tool_calls, not DSML markup in content)."""
+    conv = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Sure,", "prefix": True}]
+    out = llm.chat(conv, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    want = llm.tokenizer.parse_chat_output(out.token_ids, messages=conv)
+    assert want.reasoning_content is None and out.message == want
+    assert out.message.content == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+    # tools: a reply that is a tool call (the dummy model's random weights never make one, so
+    # the engine's output is replaced by the call's tokens; the prompt is the real one)
+    city = "".join(chr(int(c)) for c in torch.randint(ord("a"), ord("z") + 1, (6,),
+                                                       generator=gen))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    call = ("<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+            f"<｜DSML｜parameter name=\"city\" string=\"true\">{city}</｜DSML｜parameter>\n"
+            "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    tok = llm.tokenizer
+    seen = []
+
+    def run(encoded, params, use_tqdm):
+        seen.extend(ids for _, ids in encoded)
+        return [RequestOutput("0", None, ids, tok.encode(call) + [tok.eos_token_id], call,
+                              "stop") for _, ids in encoded]
+
+    monkeypatch.setattr(llm, "_run", run)
+    conv = [{"role": "user", "content": "weather?"}]
+    out = llm.chat(conv, thinking=False, tools=tools, use_tqdm=False)[0]
+    assert seen == [tok.encode_chat(conv, thinking=False, tools=tools)]
+    (tc,) = out.message.tool_calls
+    assert tc["function"]["name"] == "get_weather"
+    assert json.loads(tc["function"]["arguments"]) == {"city": city}
+    assert out.message.content == ""

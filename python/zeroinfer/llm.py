@@ -180,8 +180,11 @@ class LLM:
                 raise type(e)(f"conversation {i}: {e}") from e
             encoded.append((None, ids))
         outs = self._run(encoded, self._params(sampling_params, len(encoded)), use_tqdm)
-        for o in outs:
-            o.message = self.tokenizer.parse_chat_output(o.token_ids, thinking=thinking)
+        # each reply parsed with the request it was encoded from: tools (tool calls) and an
+        # assistant prefix (the prompt closed the thinking already) change the parse
+        for conv, o in zip(convs, outs):
+            o.message = self.tokenizer.parse_chat_output(o.token_ids, thinking=thinking,
+                                                         messages=conv, **request_fields)
         return outs
 
     def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
