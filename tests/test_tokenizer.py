@@ -539,3 +539,37 @@ def test_error_messages_are_readable(tok):
         tok.encode_chat([{"role": "user", "content": "a"}, {"role": "tool", "content": "x"}],
                         model_version="DeepSeek-V4-Pro")
     assert re.search(r"messages\[1\]", str(ei.value))
+
+
+def test_prompt_tail_that_the_output_does_not_complete_is_not_output(gen):
+    """A prompt (token ids) ending mid-character whose output does not complete that character:
+    the prompt's bytes are not output text. The output is decoded as if nothing were carried
+    (a leading U+FFFD standing for prompt bytes was emitted); one that completes it gives it
+    whole, as before."""
+    tok = _TOK
+    for _ in range(300):
+        ch = chr(_rand_int(gen, 0x80, 0x10FFFF))
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            continue
+        enc = ch.encode()
+        carried = enc[: _rand_int(gen, 1, len(enc) - 1)]
+        prompt = tok.encode(random_text(gen, 5)) + _byte_ids(tok, carried)
+        # output: maybe the rest of the character (or part of it), then random bytes / text
+        out = []
+        if _rand_int(gen, 0, 1):
+            out += _byte_ids(tok, enc[len(carried) : _rand_int(gen, len(carried), len(enc))])
+        out += _byte_ids(tok, bytes(torch.randint(0, 256, (_rand_int(gen, 0, 2),),
+                                                  generator=gen).tolist()))
+        out += tok.encode(random_text(gen, 5))
+        data = b"".join(tok.token_bytes(i) for i in out)
+        need = len(enc) - len(carried)
+        try:
+            (carried + data[:need]).decode("utf-8")
+            want = (carried + data).decode("utf-8", errors="replace")
+        except UnicodeDecodeError:
+            want = data.decode("utf-8", errors="replace")  # == tok.decode(out)
+        d = IncrementalDetokenizer(tok, prompt, stop=())
+        for i in out:
+            d.push([i])
+        d.finish()
+        assert d.text == want, (carried, data)

@@ -500,7 +500,8 @@ class IncrementalDetokenizer:
       equals ``full`` (no stop hit) or ``full`` truncated as above.
     * ``prompt_ids``: only an incomplete UTF-8 sequence at the very end of the prompt matters; its
       bytes are carried into the output so the character the first output token completes is
-      emitted whole. For ordinary prompts (encoded from text) nothing is carried.
+      emitted whole. If the output does not complete it, nothing is carried (the output is
+      decoded alone). For ordinary prompts (encoded from text) nothing is carried.
     """
 
     def __init__(
@@ -537,7 +538,11 @@ class IncrementalDetokenizer:
         self._stopped = False
         self._finished = False
         self._num_ids = 0
-        # Carry an incomplete UTF-8 sequence at the end of the prompt into the output.
+        # An incomplete UTF-8 sequence at the end of the prompt, carried into the output only if
+        # the output's first bytes complete it (else those prompt bytes would show as a U+FFFD
+        # that is no output text); until that is known, the output's bytes wait in _carry_buf.
+        self._carry = b""
+        self._carry_buf = b""
         tail = b""
         for t in reversed(prompt):
             if t in self._special:
@@ -548,9 +553,7 @@ class IncrementalDetokenizer:
         if tail:
             probe = codecs.getincrementaldecoder("utf-8")(errors="replace")
             probe.decode(tail[-4:])
-            carried = probe.getstate()[0]
-            if carried:
-                self._decoder.decode(carried)
+            self._carry = probe.getstate()[0]
 
     @property
     def text(self) -> str:
@@ -585,7 +588,32 @@ class IncrementalDetokenizer:
             return "", True
         self._num_ids += len(ids)
         data = b"".join(self._tok.token_bytes(t) for t in ids if t not in self._special)
+        if self._carry:
+            data = self._resolve_carry(data, final=False)
         return self._consume(self._decoder.decode(data, final=False), final=False)
+
+    def _resolve_carry(self, data: bytes, final: bool) -> bytes:
+        """The output bytes to decode, with the prompt's carried bytes in front if the output
+        completes their character; b"" while that is still open."""
+        buf = self._carry_buf + data
+        lead = self._carry[0]
+        need = (2 if lead < 0xE0 else 3 if lead < 0xF0 else 4) - len(self._carry)
+        out = buf
+        if len(buf) >= need:
+            try:
+                (self._carry + buf[:need]).decode("utf-8")
+                out = self._carry + buf
+            except UnicodeDecodeError:
+                pass
+        elif not final:
+            try:  # still a valid start of the character: wait for more output
+                codecs.getincrementaldecoder("utf-8")().decode(self._carry + buf)
+                self._carry_buf = buf
+                return b""
+            except UnicodeDecodeError:
+                pass
+        self._carry = self._carry_buf = b""
+        return out
 
     def _consume(self, new: str, final: bool) -> tuple[str, bool]:
         if not new and not final:
@@ -620,5 +648,6 @@ class IncrementalDetokenizer:
         self._finished = True
         if self._stopped:
             return ""
-        delta, _ = self._consume(self._decoder.decode(b"", final=True), final=True)
+        data = self._resolve_carry(b"", final=True) if self._carry else b""
+        delta, _ = self._consume(self._decoder.decode(data, final=True), final=True)
         return delta
