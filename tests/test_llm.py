@@ -231,3 +231,22 @@ def test_chat_parses_the_reply_of_the_request_it_encoded(llm, gen, monkeypatch):
     assert tc["function"]["name"] == "get_weather"
     assert json.loads(tc["function"]["arguments"]) == {"city": city}
     assert out.message.content == ""
+
+
+def test_chat_reply_is_cut_at_a_stop_string(llm, gen):
+    """chat() with a stop string that the reply hits: the parsed message is the text cut before
+    it (as `text` is), never the stop string or what the token that completed it goes on to."""
+    conv = [{"role": "user", "content": "".join(
+        chr(int(c)) for c in torch.randint(ord("a"), ord("z") + 1, (8,), generator=gen))}]
+    p = dict(max_tokens=10, ignore_eos=True, temperature=0.0)
+    free = llm.chat(conv, SamplingParams(**p), thinking=False, use_tqdm=False)[0]
+    text = free.message.content
+    starts = [a for a in range(1, len(text) - 1)
+              if text[a:a + 2].strip() and "\ufffd" not in text[a:a + 2]]
+    if not starts:
+        pytest.skip("no usable stop substring in the reply")
+    a = starts[int(torch.randint(0, len(starts), (1,), generator=gen))]
+    stop = text[a:a + 2]
+    cut = llm.chat(conv, SamplingParams(**p, stop=[stop]), thinking=False, use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    assert cut.message.content == cut.text and cut.message.reasoning_content is None

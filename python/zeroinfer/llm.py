@@ -179,11 +179,17 @@ class LLM:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"conversation {i}: {e}") from e
             encoded.append((None, ids))
-        outs = self._run(encoded, self._params(sampling_params, len(encoded)), use_tqdm)
+        params = self._params(sampling_params, len(encoded))
+        outs = self._run(encoded, params, use_tqdm)
         # each reply parsed with the request it was encoded from: tools (tool calls) and an
         # assistant prefix (the prompt closed the thinking already) change the parse
-        for conv, o in zip(convs, outs):
-            o.message = self.tokenizer.parse_chat_output(o.token_ids, thinking=thinking,
+        for conv, p, o in zip(convs, params, outs):
+            ids = o.token_ids
+            if p.stop and o.text != self.tokenizer.decode(ids, skip_special_tokens=True):
+                # cut at a stop string (the ids run up to the token that completed it): the
+                # reply is the cut text, whose encoding gives template spellings their ids
+                ids = self.tokenizer.encode(o.text)
+            o.message = self.tokenizer.parse_chat_output(ids, thinking=thinking,
                                                          messages=conv, **request_fields)
         return outs
 
