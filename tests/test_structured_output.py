@@ -263,3 +263,23 @@ def test_cli_structured_flags(tmp_path, capsys):
                 assert re.fullmatch(ok, r["text"]), r["text"]
     assert main(["generate", "a", "--regex", "(bad", "--max-tokens", "3", "--quiet"]) == 2
     assert "regex does not compile" in capsys.readouterr().err
+
+
+def test_chat_reply_under_a_grammar_is_the_answer(llm, gen):
+    """A constrained chat reply is asked without thinking (a grammar binds the reply from its
+    first token: with thinking on it bound the reasoning and left the answer empty), so the
+    message's content is in the language; thinking=True with a grammar is refused."""
+    choices = ["yes", "no", "maybe so"]
+    conv = [{"role": "user", "content": "".join(
+        chr(int(c)) for c in torch.randint(0x61, 0x7b, (int(torch.randint(3, 12, (1,),
+                                                                          generator=gen)),),
+                                           generator=gen))}]
+    p = SamplingParams(max_tokens=16, temperature=0.9,
+                       seed=int(torch.randint(0, 2**31, (1,), generator=gen)),
+                       structured=StructuredOutput(choice=choices))
+    out = llm.chat(conv, p, use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode_chat(conv, thinking=False)
+    assert out.message.content in choices and not out.message.reasoning_content, out.message
+    with pytest.raises(ValueError, match="conversation 0: structured output"):
+        llm.chat(conv, p, thinking=True, use_tqdm=False)
+    assert not llm.engine.has_work() and llm.engine.blocks.all_free()

@@ -166,30 +166,41 @@ class LLM:
     def chat(self, conversations, sampling_params=None, *, thinking: bool | None = None,
              use_tqdm: bool = True, **request_fields) -> list[RequestOutput]:
         """OpenAI-style conversations (one list of messages, or a list of them) -> replies,
-        encoded and parsed with deepseek-recipe and the real V4 tokenizer."""
+        encoded and parsed with deepseek-recipe and the real V4 tokenizer. thinking: None is the
+        recipe's default (on), except for a reply under structured output (off)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
         convs = conversations
         if isinstance(convs, Sequence) and convs and isinstance(convs[0], dict):
             convs = [convs]
-        encoded = []
-        for i, conv in enumerate(convs):
+        params = self._params(sampling_params, len(convs))
+        encoded, modes = [], []
+        for i, (conv, p) in enumerate(zip(convs, params)):
+            # A grammar binds the reply from its first token: with thinking on it would bind the
+            # reasoning and leave the answer empty, so a constrained reply is asked without it.
+            mode = thinking
+            if p.structured is not None:
+                if thinking:
+                    raise ValueError(f"conversation {i}: structured output constrains the whole "
+                                     "reply, reasoning included; use thinking=False (the "
+                                     "default for a constrained reply)")
+                mode = False
             try:
-                ids = self.tokenizer.encode_chat(conv, thinking=thinking, **request_fields)
+                ids = self.tokenizer.encode_chat(conv, thinking=mode, **request_fields)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"conversation {i}: {e}") from e
             encoded.append((None, ids))
-        params = self._params(sampling_params, len(encoded))
+            modes.append(mode)
         outs = self._run(encoded, params, use_tqdm)
         # each reply parsed with the request it was encoded from: tools (tool calls) and an
         # assistant prefix (the prompt closed the thinking already) change the parse
-        for conv, p, o in zip(convs, params, outs):
+        for conv, p, o, mode in zip(convs, params, outs, modes):
             ids = o.token_ids
             if p.stop and o.text != self.tokenizer.decode(ids, skip_special_tokens=True):
                 # cut at a stop string (the ids run up to the token that completed it): the
                 # reply is the cut text, whose encoding gives template spellings their ids
                 ids = self.tokenizer.encode(o.text)
-            o.message = self.tokenizer.parse_chat_output(ids, thinking=thinking,
+            o.message = self.tokenizer.parse_chat_output(ids, thinking=mode,
                                                          messages=conv, **request_fields)
         return outs
 
