@@ -53,6 +53,26 @@ def test_integer_ids_of_any_integral_type(llm, gen):
         assert got.prompt_token_ids == ids and all(type(t) is int for t in got.prompt_token_ids)
 
 
+def test_stop_token_text_is_not_output(llm, gen):
+    """A request ended by one of its stop_token_ids keeps the token in token_ids but not its
+    text (as EOS's), with or without stop strings beside it (the detokenizer of stop strings
+    never sees the token: the text was once with it without them and without it with them)."""
+    ids = torch.randint(3, 100000, (6,), generator=gen).tolist()
+    free = llm.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
+                        use_tqdm=False)[0]
+    k = int(torch.randint(1, 12, (1,), generator=gen))
+    stop_tok = free.token_ids[k]
+    k = free.token_ids.index(stop_tok)  # (its first place)
+    want = llm.tokenizer.decode(free.token_ids[:k], skip_special_tokens=True)
+    never = "".join(sorted(set("\x00\x01\x02") - set(free.text)))  # (no stop string is hit)
+    for stop in (None, [never]):
+        out = llm.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0,
+                                                 stop_token_ids=[stop_tok], stop=stop),
+                           use_tqdm=False)[0]
+        assert out.token_ids == free.token_ids[:k + 1] and out.finish_reason == "stop"
+        assert out.text == want, (stop, out.text, want)
+
+
 def test_stop_strings_cut_the_text(llm):
     free = llm.generate(["Hello"], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
                         use_tqdm=False)[0]

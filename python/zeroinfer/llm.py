@@ -104,8 +104,11 @@ class LLM:
     def _output(self, prompt: str | None, req: Request) -> RequestOutput:
         text = ""
         if self.tokenizer is not None:
+            ids = req.output_ids
+            if ids and ids[-1] in req.params.stop_token_ids and req.finish_reason == "stop":
+                ids = ids[:-1]  # a stop token's text is not output (as EOS's; the detokenizer
             text = req.detok.text if req.detok is not None else self.tokenizer.decode(
-                req.output_ids, skip_special_tokens=True)
+                ids, skip_special_tokens=True)  # of stop strings never sees it either)
         return RequestOutput(req.request_id, prompt, req.prompt_ids, list(req.output_ids), text,
                              req.finish_reason or "abort",
                              req.output_logprobs if req.params.logprobs is not None else None,

@@ -52,7 +52,8 @@ class SamplingParams:
     max_tokens      >= 1: most tokens to generate.
     stop            strings that end generation: None, one string or a sequence of them;
                     stored as a tuple of non-empty strings.
-    stop_token_ids  token ids (>= 0) that end generation; stored as a tuple of ints.
+    stop_token_ids  token ids (>= 0) that end generation; stored as a tuple of ints. The
+                    token ends the output's token ids; its text is not in the output text.
     ignore_eos      keep generating past the end-of-sequence token.
     seed            None (the engine draws one) or an int in [0, 2**63).
     logprobs        None = no log-probabilities; k in [0, 20] = the sampled token's logprob
