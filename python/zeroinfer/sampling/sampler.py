@@ -219,7 +219,10 @@ def _check(logits: torch.Tensor, batch: SamplingBatch) -> None:
 def _sampled_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The filtered Gumbel-max draw of every row (rows with temperature 0 give garbage)."""
     R, V = logits.shape
-    temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    # (a temperature past float32's range is inf here, and -inf / inf = NaN would put masked
+    # tokens first in the sort: the largest finite one keeps -inf at -inf, the rest at ~0)
+    temp = torch.where(batch.temperature > 0, batch.temperature, 1.0).clamp(
+        max=torch.finfo(torch.float32).max)
     # z <= 0 with z = 0 at the row maximum; + 0.0 turns -0.0 into +0.0 so ties sort as equal.
     z = (logits - logits.amax(dim=-1, keepdim=True)) / temp[:, None] + 0.0
 
