@@ -1,4 +1,4 @@
-"""Audit: speculative decoding against plain decoding with every sampling filter, top-N
+"""Speculative decoding against plain decoding with every sampling filter, top-N
 logprobs, stop tokens placed inside accepted drafts and length limits; seeded requests alone
 and in a crowd, async and sync."""
 

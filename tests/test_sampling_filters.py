@@ -1,4 +1,4 @@
-"""Audit of zeroinfer.sampling.sample against independent float64 references: ties at the
+"""zeroinfer.sampling.sample against independent float64 references: ties at the
 top-k / top-p cuts, top_k past the vocabulary, top_p = 1, min-p, their combinations, and
 logprobs of the raw distribution."""
 
