@@ -51,6 +51,10 @@ def test_integer_ids_of_any_integral_type(llm, gen):
         got = llm.generate([[kind(t) for t in ids]], p, use_tqdm=False)[0]
         assert got.token_ids == want.token_ids, kind
         assert got.prompt_token_ids == ids and all(type(t) is int for t in got.prompt_token_ids)
+    single = llm.generate(np.array(ids).tolist(), p, use_tqdm=False)  # (one prompt, not many)
+    assert len(single) == 1 and single[0].token_ids == want.token_ids
+    single = llm.generate(list(np.array(ids)), p, use_tqdm=False)
+    assert len(single) == 1 and single[0].token_ids == want.token_ids
 
 
 def test_stop_token_text_is_not_output(llm, gen):

@@ -104,11 +104,13 @@ class LLM:
     def _output(self, prompt: str | None, req: Request) -> RequestOutput:
         text = ""
         if self.tokenizer is not None:
+            # A stop token's text is not output, as EOS's is not (the detokenizer of stop
+            # strings never sees it either).
             ids = req.output_ids
             if ids and ids[-1] in req.params.stop_token_ids and req.finish_reason == "stop":
-                ids = ids[:-1]  # a stop token's text is not output (as EOS's; the detokenizer
+                ids = ids[:-1]
             text = req.detok.text if req.detok is not None else self.tokenizer.decode(
-                ids, skip_special_tokens=True)  # of stop strings never sees it either)
+                ids, skip_special_tokens=True)
         return RequestOutput(req.request_id, prompt, req.prompt_ids, list(req.output_ids), text,
                              req.finish_reason or "abort",
                              req.output_logprobs if req.params.logprobs is not None else None,
@@ -159,7 +161,8 @@ class LLM:
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists); outputs in input order."""
         single = isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts))
+            isinstance(prompts, Sequence) and prompts
+            and all(isinstance(t, numbers.Integral) for t in prompts))
         plist = [prompts] if single else list(prompts)
         if not plist and self.engine.ep is None:  # an expert-parallel rank may serve others
             raise ValueError("prompts is empty")
