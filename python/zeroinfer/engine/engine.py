@@ -160,7 +160,6 @@ class LLMEngine:
         self.scheduler.round_done = self._round_done
         self.rng = random.Random(seed)
         self.counter = itertools.count()  # the engine's own request ids
-        self.submitted = itertools.count()  # Request.index (LLM drops finished requests)
         self.requests: dict[str, Request] = {}
         self.inflight: tuple[ScheduledBatch, RoundHandle] | None = None
         self.live: dict[int, RoundHandle] = {}
@@ -173,8 +172,9 @@ class LLMEngine:
         self.runner.close()
 
     # --- requests ---------------------------------------------------------------------------
-    def check_request(self, prompt_ids, params: SamplingParams) -> None:
-        """Raise ValueError/TypeError if the request can never be served; changes nothing."""
+    def check_request(self, prompt_ids, params: SamplingParams) -> object | None:
+        """Raise ValueError/TypeError if the request can never be served; changes nothing.
+        Returns the request's grammar matcher (None without structured output)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
@@ -200,24 +200,22 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:  # (they are matched in the decoded text)
             raise ValueError("stop strings need a tokenizer (the engine has none); use "
                              "stop_token_ids")
-        if params.structured is not None:  # a grammar that does not compile (compiled once:
-            self._grammars().matcher(params.structured)  # xgrammar caches it for add_request)
+        # (a grammar that does not compile raises here, before add_request draws anything)
+        return None if params.structured is None else self._grammars().matcher(params.structured)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *,
                     request_id: str | None = None, prompt_logits: bool = False) -> Request:
         """Validate and queue a request; raises ValueError/TypeError, leaving the engine as it was."""
-        self.check_request(prompt_ids, params)
-        # (whatever can still fail comes before the id and the seed are drawn: a refused
-        # request changes no other request's id or seed)
-        matcher = None if params.structured is None else self._grammars().matcher(
-            params.structured)
+        # (whatever can fail comes before the id and the seed are drawn: a refused request
+        # changes no other request's id or seed)
+        matcher = self.check_request(prompt_ids, params)
         rid = request_id
         while rid is None or (request_id is None and rid in self.requests):
             rid = str(next(self.counter))  # (past the ids a caller chose: "0", "1", ...)
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
-        req = Request(rid, next(self.submitted), [int(t) for t in prompt_ids], params, seed,
+        req = Request(rid, [int(t) for t in prompt_ids], params, seed,
                       want_prompt_logits=prompt_logits, matcher=matcher)
         if params.stop:
             from zeroinfer.tokenizer import IncrementalDetokenizer

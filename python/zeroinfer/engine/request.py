@@ -26,7 +26,6 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Request:
     request_id: str
-    index: int  # submission order (preemption victims are the newest)
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
