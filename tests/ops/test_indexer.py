@@ -117,6 +117,33 @@ def test_unmapped_blocks_give_nan_and_bad_sequences_raise(gen):
         indexer_scores(**args, scale=scale)
 
 
+def test_table_entries_past_the_cache_raise_and_unread_ones_do_not(gen):
+    """The kernel does not know keys' block count: a table entry a token reads that is not a
+    block of keys must be refused by name (it was read out of bounds); one no token reads (at or
+    past its visible entries' blocks) is never looked at."""
+    args, scale = make_case(gen, tokens=8, heads=4, dim=32, block=4, seqs=3, min_blocks=2)
+    ref = indexer_scores_ref(**args, scale=scale)
+    nb = args["keys"].shape[0]
+    table, seq, vis = args["block_table"], args["seq_of_token"], args["visible"]
+    blocks_read = torch.zeros(table.shape[0], dtype=torch.long)  # per sequence, by any token
+    for t in range(seq.shape[0]):
+        b = int(seq[t])
+        blocks_read[b] = max(int(blocks_read[b]), (int(vis[t]) + 3) // 4)
+    for b in range(table.shape[0]):  # unread entries: any value at all
+        table[b, int(blocks_read[b]):] = nb + int(torch.randint(0, 1 << 20, (1,), generator=gen))
+    got = indexer_scores(**args, scale=scale)
+    cols = torch.arange(args["num_entries"])[None, :]
+    seen = cols < vis[:, None]
+    torch.testing.assert_close(got.double()[seen], ref[seen], rtol=1e-5, atol=1e-5)
+    j = int(torch.randint(0, int(blocks_read[0]), (1,), generator=gen))  # token 0 reads these
+    for bad in (nb, nb + 1000):
+        table[0, j] = bad
+        with pytest.raises(ValueError, match=rf"block_table\[0, {j}\] = {bad} .*< keys.shape\[0\]"):
+            indexer_scores(**args, scale=scale)
+    with pytest.raises(ValueError, match="must be a block of keys"):  # a cache without blocks
+        indexer_scores(**(args | dict(keys=args["keys"][:0])), scale=scale)
+
+
 def test_no_tokens_no_entries(gen):
     args, scale = make_case(gen, tokens=4, heads=4, dim=32, block=4, seqs=2)
     empty = {**args, **{k: args[k][:0] for k in ("q", "weights", "seq_of_token", "visible")}}

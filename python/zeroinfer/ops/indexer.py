@@ -67,6 +67,17 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
         if int(seq_of_token.min()) < 0 or int(seq_of_token.max()) >= num_seqs:
             raise ValueError(f"{op}: seq_of_token must index block_table's {num_seqs} rows, got "
                              f"values in [{int(seq_of_token.min())}, {int(seq_of_token.max())}]")
+        # The kernel is not told how many blocks keys has: every table entry a token reads (its
+        # sequence's blocks below visible[t]) must be one (negative ones give NaN, by contract).
+        num_blocks = keys.shape[0]
+        reads = (visible.clamp(0, num_entries) + block_size - 1) // block_size  # [T]
+        rows = block_table[seq_of_token.long()]  # [T, max_blocks]
+        bad = (torch.arange(max_blocks)[None, :] < reads[:, None]) & (rows >= num_blocks)
+        if bool(bad.any()):
+            t, j = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{op}: block_table[{int(seq_of_token[t])}, {j}] = {int(rows[t, j])} "
+                             f"(read by token {t}) must be a block of keys, < keys.shape[0] = "
+                             f"{num_blocks} (or negative: NaN scores)")
     if out is None:
         out = torch.empty(T, num_entries, dtype=torch.float32, device=dev)
     else:
