@@ -128,3 +128,20 @@ def test_bad_inputs():
         dequantize_kv_fp8(torch.zeros(1, 583, dtype=torch.uint8))
     with pytest.raises(ValueError, match="cache"):
         dequantize_kv_fp8(torch.zeros(1, 1, 584, dtype=torch.uint8))
+
+
+def test_scale_byte_255_is_nan(gen):
+    """UE8M0 byte 255 is NaN (OCP MX): every NoPE value of its group dequantizes to NaN, as the
+    reference decoder and the kernels read it (2^(255-127) = inf gave +-inf, and NaN only for the
+    zero codes); the other groups and the RoPE part are untouched."""
+    nb, bs = 2, 8
+    cache = quantize_kv_fp8(torch.randn(nb, bs, 512, generator=gen))
+    sc = cache[:, bs * 576:].view(nb, bs, 8)
+    nan_group = torch.rand(nb, bs, 7, generator=gen) < 0.3
+    sc[..., :7] = torch.where(nan_group, 255, sc[..., :7])
+    ours = dequantize_kv_fp8(cache)
+    torch.testing.assert_close(ours.double().reshape(-1, 512), _decode_cache(cache), rtol=0,
+                               atol=0, equal_nan=True)
+    per_value = nan_group.repeat_interleave(64, dim=-1)
+    assert torch.equal(ours[..., :448].isnan(), per_value)
+    assert ours[..., 448:].isfinite().all()

@@ -91,7 +91,9 @@ def dequantize_rows(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Token rows [..., 576] uint8 + scales [..., 8] uint8 -> float32 [..., 512]."""
     nope = rows[..., :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
     rope = rows[..., NOPE_DIM:].contiguous().view(torch.bfloat16).float()
-    scale = torch.exp2(scales[..., :NUM_GROUPS].float() - 127.0)  # UE8M0 (255 would be NaN)
+    sb = scales[..., :NUM_GROUPS]
+    scale = torch.exp2(sb.float() - 127.0)  # UE8M0 2^(byte - 127) ...
+    scale = torch.where(sb == 255, float("nan"), scale)  # ... but 255 is NaN (exp2 gives inf)
     nope = (nope.unflatten(-1, (NUM_GROUPS, GROUP)) * scale.unsqueeze(-1)).flatten(-2)
     return torch.cat([nope, rope], dim=-1)
 
