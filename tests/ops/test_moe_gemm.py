@@ -557,6 +557,23 @@ def test_routed_skewed_single_token_and_unrouted(gen):
     assert y.shape == (0, 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+def test_routed_tokens_with_no_slots(gen, dtype):
+    """T tokens routed to k = 0 experts: a [T*0, N] result with nothing to compute (it reached
+    the C++ with no ids pointer and failed an internal check)."""
+    T = int(torch.randint(1, 9, (1,), generator=gen))
+    w, s = rand_weights(gen, 3, 32, 128)
+    a, a_scale = rand_act(gen, (T, 128), dtype)
+    ids = torch.zeros(T, 0, dtype=torch.int32)
+    y = mxfp4_grouped_gemm(a, w, s, topk_ids=ids, a_scale=a_scale)
+    assert y.shape == (0, 32) and y.dtype == default_out_dtype(a)
+    ref = mxfp4_grouped_gemm_ref(a, w, s, topk_ids=ids, a_scale=a_scale)
+    assert ref.shape == y.shape
+    h = mxfp4_grouped_gemm(a, w, s, topk_ids=ids, a_scale=a_scale, fuse_swiglu=True,
+                           out=torch.empty(0, 16, dtype=torch.float32), out_dtype=torch.float32)
+    assert h.shape == (0, 16)
+
+
 def test_routed_interim_torch_path_on_cpu(gen):
     """The interim CUDA path's routed branch (float32 on CUDA) is plain torch: checked on CPU."""
     from zeroinfer.ops.moe_gemm import _interim_routed_cuda

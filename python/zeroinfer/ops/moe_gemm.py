@@ -632,8 +632,8 @@ def mxfp4_grouped_gemm(
     rows = num_experts * cap if masked else m_rows
     if on_cuda and rows >= _INT32_LIMIT:
         raise ValueError(f"{op}: the CUDA kernel indexes rows with int32; got {rows} rows")
-    if a.numel() == 0:
-        return out  # no rows: nothing to write
+    if a.numel() == 0 or out.numel() == 0:
+        return out  # no rows (routed: T tokens with k = 0 slots): nothing to write
     if on_cuda:
         if a.dtype == torch.float32 or num_experts > _C.MXFP4_CUDA_MAX_EXPERTS:
             # Interim torch path: float32 activations (no float32 tensor-core kernel) or more
