@@ -178,6 +178,34 @@ def test_dispatch_rejects_bad_input(gen):
         moe_dispatch(x, ids, 3, tile=2, out=bad)
 
 
+def test_dispatch_refuses_outputs_over_its_inputs(gen):
+    """Every output of a preallocated MoeDispatch must stay clear of x and topk_ids: the kernel
+    reads the ids after it has begun writing row_token (a row_token over topk_ids gave a
+    dispatch of all -1 rows, silently); only sorted_x was checked."""
+    T, k, E = 6, 2, 4
+    x = random_x(gen, T, 8, torch.float32)
+    ids = random_ids(gen, T, k, E)
+    good = moe_dispatch(x, ids, E)
+    cap = good.row_token.numel()
+    for name in ("row_token", "token_row", "expert_counts", "expert_offsets"):
+        buf = torch.empty(cap + T * k + 8, dtype=torch.int32)
+        shared = buf[: T * k].view(T, k)
+        shared.copy_(ids)
+        out = poisoned_dispatch(x, T, k, E, 1)
+        n = getattr(out, name).numel()
+        out = MoeDispatch(**{**out.__dict__, name: buf[1:1 + n].view(getattr(out, name).shape)})
+        with pytest.raises(ValueError, match=f"output out.{name} must not alias input topk_ids"):
+            moe_dispatch(x, shared, E, out=out)
+        assert torch.equal(shared, ids)
+    fbuf = torch.empty(cap * 8 + T * 8, dtype=torch.float32)
+    out = MoeDispatch(**{**poisoned_dispatch(x, T, k, E, 1).__dict__,
+                         "row_token": fbuf[:cap].view(torch.int32)})
+    with pytest.raises(ValueError, match="output out.row_token must not alias input x"):
+        moe_dispatch(fbuf[cap // 2: cap // 2 + T * 8].view(T, 8), ids, E, out=out)
+    out = poisoned_dispatch(x, T, k, E, 1)  # separate buffers: still the reference's result
+    assert_dispatch_matches(moe_dispatch(x, ids, E, out=out), x, ids, E, 1)
+
+
 def test_combine_rejects_bad_input(gen):
     eo = random_x(gen, 10, 8, torch.float32)
     rows = torch.randint(0, 10, (4, 2), generator=gen, dtype=torch.int32)

@@ -95,7 +95,9 @@ def moe_dispatch(
                             ("expert_offsets", (num_experts + 1,))):
             check_tensor(op, f"out.{name}", getattr(out, name), dtypes=(torch.int32,),
                          shape=shape, device=dev)
-        check_no_alias(op, {"out.sorted_x": out.sorted_x}, {"x": x, "topk_ids": topk_ids})
+        # every output: the kernel reads topk_ids after it has started writing row_token
+        check_no_alias(op, {f"out.{f}": getattr(out, f) for f in MoeDispatch.__dataclass_fields__},
+                       {"x": x, "topk_ids": topk_ids})
     workspace = None
     if cuda:
         nbytes = _C.moe_dispatch_workspace_bytes(num_tokens, topk, num_experts)
