@@ -226,6 +226,34 @@ def test_combine_rejects_bad_input(gen):
         moe_combine(eo, rows, w.to("meta"))
 
 
+@pytest.mark.parametrize("routed", [False, True])
+def test_combine_refuses_out_over_its_rows(gen, routed):
+    """out must stay clear of token_row / topk_ids too: the kernel reads a token's rows while
+    other tokens' outputs are written (an out over token_row turned later tokens' row indices
+    into float bits: wrong sums, or an internal check failure). Apart, it is the reference."""
+    T, k, D = 8, 2, 8
+    eo = random_x(gen, T * k, D, torch.float32)
+    w = torch.rand(T, k, generator=gen)
+    if routed:
+        rows = random_ids(gen, T, k, 5, drop=0.3)
+        kw = dict(token_row=None, topk_ids=None)
+    else:
+        rows = torch.randint(-1, T * k, (T, k), generator=gen, dtype=torch.int32)
+        kw = dict(token_row=None)
+    buf = torch.empty(T * D, dtype=torch.float32)
+    shared = buf.view(torch.int32)[: T * k].view(T, k)
+    shared.copy_(rows)
+    kw["topk_ids" if routed else "token_row"] = shared
+    name = "topk_ids" if routed else "token_row"
+    with pytest.raises(ValueError, match=f"output out must not alias input {name}"):
+        moe_combine(eo, topk_weights=w, out=buf.view(T, D), **kw)
+    assert torch.equal(shared, rows)
+    kw[name] = rows
+    got = moe_combine(eo, topk_weights=w, out=torch.empty(T, D), **kw)
+    ref = moe_combine_ref(eo, kw["token_row"], w, topk_ids=kw.get("topk_ids"))
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+
+
 # --- GPU: the CUDA kernels against the CPU twin and the reference --------------------------
 
 @pytest.mark.gpu

@@ -161,7 +161,8 @@ def moe_combine(
         out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=dev)
     else:
         check_tensor(op, "out", out, dtypes=(out_dtype,), shape=(num_tokens, hidden), device=dev)
-        check_no_alias(op, {"out": out}, {"expert_out": expert_out, "topk_weights": topk_weights})
+        check_no_alias(op, {"out": out}, {"expert_out": expert_out, name: rows_of,
+                                          "topk_weights": topk_weights})
     _C.moe_combine(cuda, ptr(expert_out), dtype_code(expert_out), ptr(rows_of),
                    ptr(topk_weights), dtype_code(topk_weights), rows, num_tokens, hidden, topk,
                    ptr(out), dtype_code(out), routed, stream_of(dev))
