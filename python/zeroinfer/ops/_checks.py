@@ -61,14 +61,20 @@ def check_positive_int(op: str, name: str, v: object, *, minimum: int = 1) -> in
     return v
 
 
+# The kernels take these arguments as float32: from 2^128 - 2^103 up a magnitude rounds to inf
+# there, and a positive value up to 2^-150 rounds to 0 (round to nearest even).
+_F32_ROUNDS_TO_INF = 2.0**128 - 2.0**103
+_F32_ROUNDS_TO_ZERO = 2.0**-150
+
+
 def check_float(op: str, name: str, v: object, *, positive: bool = False) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{op}: {name} must be a float, got {type(v).__name__}")
     v = float(v)
-    if v != v or v in (float("inf"), float("-inf")):
-        raise ValueError(f"{op}: {name} must be finite, got {v}")
-    if positive and v <= 0:
-        raise ValueError(f"{op}: {name} must be > 0, got {v}")
+    if v != v or abs(v) >= _F32_ROUNDS_TO_INF:
+        raise ValueError(f"{op}: {name} must be finite as a float32 (|v| < 3.4e38), got {v}")
+    if positive and v <= _F32_ROUNDS_TO_ZERO:
+        raise ValueError(f"{op}: {name} must be > 0 as a float32 (v > 2^-150), got {v}")
     return v
 
 
