@@ -254,3 +254,50 @@ def test_own_ids_beside_caller_ids(model, gen):
     assert eng.blocks.all_free()
     eng.close()
 
+
+
+def test_pipelined_speculative_rounds_keep_the_token_budget(model, gen):
+    """Speculative rounds built from the device's state (pipelined) count their drafts in
+    max_num_batched_tokens, as the rounds built on the host do: no round runs more tokens than
+    the budget (a pipelined round once verified its D drafts a row whatever the budget), and
+    the tokens are still those of plain synchronous decoding."""
+    from zeroinfer.engine.speculative import SpeculativeConfig
+    from zeroinfer.testing.drafts import draft_on_device_by_slot
+
+    def rint(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    V, D, n = model.config.vocab_size, rint(2, 5), rint(2, 4)
+    budget = rint(n, n * (1 + D) - 1)  # under what n rows of 1 + D tokens take
+    prompts = [torch.randint(2, V, (rint(4, 12),), generator=gen).tolist() for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rint(12, 24), ignore_eos=True)
+              for _ in range(n)]
+    plain = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=64,
+                                          async_scheduling=False))
+    want = [plain.add_request(p, sp) for p, sp in zip(prompts, params)]
+    plain.finish()
+    plain.close()
+    want = [r.output_ids for r in want]
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=64,
+                                        max_num_batched_tokens=budget, decode_graphs=True,
+                                        speculative=SpeculativeConfig(D)))
+    sizes = []
+    launch = eng.runner.launch
+
+    def spy(batch, *args, **kw):
+        sizes.append(batch.num_tokens)
+        return launch(batch, *args, **kw)
+
+    eng.runner.launch = spy
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while any(r.slot is None for r in reqs):  # (the prompts, in chunks of the budget)
+        eng.step()
+    # every draft right: each row has its D drafts on offer
+    draft_on_device_by_slot(eng, {r.slot: p + w for r, p, w in zip(reqs, prompts, want)}, 0.0)
+    eng.finish()
+    assert eng.blocks.all_free()
+    eng.close()
+    assert [r.output_ids for r in reqs] == want
+    assert eng.scheduler.num_pipelined > 0
+    assert max(sizes) <= budget, (sizes, budget)
+

@@ -252,9 +252,13 @@ class Scheduler:
             rows.append(req)
         if not rows or len(rows) > max_rows:
             return None
+        # the drafts count in the token budget, as in a round built on the host: as many a row
+        # as len(rows) rows of 1 + d tokens fit (none fit: the host schedules the round)
+        d = min(D, self.recent_drafts, self.max_num_batched_tokens // len(rows) - 1)
+        if d < 0:
+            return None
         self.round_id += 1
         self.num_pipelined += 1
-        d = min(D, self.recent_drafts)
         out = []
         for req in rows:
             out.append(Row(req, -1, [0] * (1 + d), -1, True, False, d, 1 + d, True))
