@@ -3,6 +3,7 @@ for token, over randomised workloads; block accounting; batch independence; bad 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -301,3 +302,40 @@ def test_pipelined_speculative_rounds_keep_the_token_budget(model, gen):
     assert eng.scheduler.num_pipelined > 0
     assert max(sizes) <= budget, (sizes, budget)
 
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_request_that_exactly_fills_the_cache_is_served(model, gen, async_scheduling):
+    """A request's cache holds its prompt and every output token but the last (sampled, never
+    fed back), so a request of exactly the cache's size is served - the tokens of a run with
+    a roomy cache, every block free after - and one a token longer is refused by name
+    (check_request once counted the last output too, and refused requests that fit: a prompt
+    of the cache's size for its logits, say)."""
+    def rint(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    c, V = model.config, model.config.vocab_size
+    per_token = sum(kv_bytes_per_token(model).values())
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=128, max_num_batched_tokens=rint(8, 32),
+                       kv_cache_bytes=int(rint(40, 80) * per_token),
+                       async_scheduling=async_scheduling)
+    eng = LLMEngine(model, cfg)
+    s = eng.spec  # the most tokens each pool holds positions / entries for
+    cap = min(s.num_window_blocks * s.window_block_size,
+              (s.num_csa_blocks * s.csa_block_size + 1) * c.csa_rate - 1,
+              (s.num_hca_blocks * s.hca_block_size + 1) * c.hca_rate - 1)
+    P = rint(cap - 12, cap)
+    prompt = torch.randint(2, V, (P,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.8, max_tokens=cap - P + 1, ignore_eos=True,
+                            seed=rint(0, 2**31))
+    with pytest.raises(ValueError, match="cannot fit in the KV cache"):
+        eng.add_request(prompt, dataclasses.replace(params, max_tokens=cap - P + 2))
+    req = eng.add_request(prompt, params)
+    eng.finish()
+    assert eng.blocks.all_free()
+    eng.close()
+    roomy = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=128,
+                                          async_scheduling=False))
+    want = roomy.add_request(prompt, params)
+    roomy.finish()
+    roomy.close()
+    assert req.output_ids == want.output_ids and len(req.output_ids) == params.max_tokens

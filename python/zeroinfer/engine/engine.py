@@ -189,9 +189,10 @@ class LLMEngine:
         if len(prompt_ids) > self.cfg.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than max_model_len="
                              f"{self.cfg.max_model_len}")
-        # (a speculative decode row holds blocks for its drafts' positions too)
+        # The cache holds every token but the last output (sampled, never fed back); a
+        # speculative decode row holds blocks for its drafts' positions too.
         lookahead = 0 if self.cfg.speculative is None else self.cfg.speculative.lookahead
-        longest = min(len(prompt_ids) + params.max_tokens + lookahead,
+        longest = min(len(prompt_ids) + params.max_tokens - 1 + lookahead,
                       self.cfg.max_model_len)
         if not self.blocks.can_grow({}, 0) or any(
                 k.blocks_for(longest) > k.num_blocks for k in self.blocks.kinds):
