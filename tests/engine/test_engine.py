@@ -339,3 +339,17 @@ def test_request_that_exactly_fills_the_cache_is_served(model, gen, async_schedu
     roomy.finish()
     roomy.close()
     assert req.output_ids == want.output_ids and len(req.output_ids) == params.max_tokens
+
+
+def test_engine_config_refuses_bad_values_by_name(gen):
+    """Every EngineConfig field out of its type or range is refused naming the field (a
+    string or a non-finite KV budget once raised a bare TypeError or passed, to fail later in
+    int(); a string for a flag passed as true)."""
+    bytes_ok = float(torch.rand(1, generator=gen)) * 1e9 + 1
+    assert EngineConfig(kv_cache_bytes=bytes_ok).kv_cache_bytes == bytes_ok
+    for field, bad in [("kv_cache_bytes", str(int(bytes_ok))), ("kv_cache_bytes", float("nan")),
+                       ("kv_cache_bytes", float("inf")), ("kv_cache_bytes", True),
+                       ("kv_cache_bytes", -bytes_ok), ("async_scheduling", "false"),
+                       ("async_scheduling", None), ("forbid_host_sync", 1)]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: bad})

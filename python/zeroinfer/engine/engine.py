@@ -72,8 +72,13 @@ class EngineConfig:
                              f"{self.decode_graphs!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        b = self.kv_cache_bytes  # (NaN and infinity once passed, to fail as int() later)
+        if b is not None and (isinstance(b, bool) or not isinstance(b, numbers.Real)
+                              or not 0 < b < float("inf")):
+            raise ValueError(f"kv_cache_bytes must be None or a finite number > 0, got {b!r}")
+        for f in ("async_scheduling", "forbid_host_sync"):  # ("false" would turn it on)
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be None or a SpeculativeConfig, got "
                              f"{type(self.speculative).__name__}")
