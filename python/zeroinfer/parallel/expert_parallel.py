@@ -64,9 +64,12 @@ class ExpertParallel:
                              f"the group has {self.size}")
         # Votes on the host (does any rank step?) go over their own gloo group: the exchange's
         # collectives may be running on the group at that moment from another thread (the CPU
-        # engine's emulated device), and two threads must not share a group.
+        # engine's emulated device), and two threads must not share a group. Made by this
+        # group's ranks alone (use_local_synchronization): with several expert-parallel groups
+        # (subgroups of the world) each group's ranks pass their own rank list here, which a
+        # world-wide new_group would mix up under one name (and hang).
         self.vote_group = dist.new_group(dist.get_process_group_ranks(self.group),
-                                         backend="gloo")
+                                         backend="gloo", use_local_synchronization=True)
         self.device = torch.device(device)
         self.placement = placement.to(self.device)
         if rebalance_interval and not 1 <= load_window <= rebalance_interval:
