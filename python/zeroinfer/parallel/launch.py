@@ -52,6 +52,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 600.0,
         for p in procs:
             p.start()
         got, errors = {}, []
+        quiet: set[int] = set()  # ranks seen exited cleanly with no result yet
         deadline = time.monotonic() + timeout
         try:
             while len(got) < world and not errors:
@@ -61,11 +62,20 @@ def run_ranks(fn: Callable, world: int, *args, timeout: float = 600.0,
                     # A rank that died before reporting (killed, or it failed to start: every
                     # other exit reports first) would leave the others waiting: stop at once.
                     dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    # A clean exit flushed its result into the queue first; none by the next
+                    # empty poll means it was never sent (the queue's feeder thread could not
+                    # pickle it): stop then, not at the deadline.
+                    lost = {r for r, p in enumerate(procs) if p.exitcode == 0 and r not in got}
                     if dead:
                         errors.append(f"rank(s) {dead} exited (codes "
                                       f"{[procs[r].exitcode for r in dead]}) without a result")
+                    elif lost & quiet:
+                        errors.append(f"rank(s) {sorted(lost & quiet)} exited without sending "
+                                      "a result (fn must return a picklable value; the rank's "
+                                      "stderr has the pickling error)")
                     elif time.monotonic() > deadline:
                         errors.append(f"no result within {timeout} s")
+                    quiet |= lost
                     continue
                 if ok:
                     got[rank] = value
