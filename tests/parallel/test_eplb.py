@@ -135,6 +135,23 @@ def test_rebalance_refuses_bad_load():
         rebalance(torch.ones(4), 4, 2)
 
 
+def test_rank_loads_refuse_a_load_of_other_sizes(gen):
+    # A load of more layers than the placement was silently cut to the placement's layers
+    # (gather takes a smaller index): the imbalance of another load. Refused by name.
+    pl = initial_placement(1, 4, 6, 2)
+    load = torch.randint(0, 50, (3, 2, 4), generator=gen)
+    with pytest.raises(ValueError, match=r"rank_loads: the load is for 2 layers x 4 experts"):
+        rank_loads(load, pl)
+    with pytest.raises(ValueError, match="rank_loads"):
+        imbalance(load[:, :, :3], pl)
+    # the placement's own sizes: each rank's load by hand, float64
+    one = load[:, :1]
+    want = torch.zeros(3, 1, 2, dtype=torch.float64)
+    for slot, e in enumerate(pl.phys_to_logical[0].tolist()):
+        want[:, 0, slot // 3] += one[:, 0, e].double() / int(pl.logical_count[0, e])
+    assert torch.allclose(rank_loads(one, pl), want)
+
+
 def test_expert_load_window(gen):
     L, E, W = 2, 6, 3
     el = ExpertLoad(L, E, W)

@@ -279,6 +279,9 @@ def rank_loads(load: torch.Tensor, placement: Placement) -> torch.Tensor:
     replicas (what the replica rule of `ExpertParallel` does on average)."""
     w = _window(load)
     pl = placement.to("cpu")
+    if w.shape[1:] != (pl.num_layers, pl.num_logical):  # (gather would cut extra layers off)
+        raise ValueError(f"rank_loads: the load is for {w.shape[1]} layers x {w.shape[2]} "
+                         f"experts, the placement for {pl.num_layers} x {pl.num_logical}")
     per_slot = torch.gather(w / pl.logical_count.double().unsqueeze(0), 2,
                             pl.phys_to_logical.unsqueeze(0).expand(w.shape[0], -1, -1))
     return per_slot.unflatten(2, (pl.num_ranks, pl.slots_per_rank)).sum(3)
