@@ -133,6 +133,11 @@ def test_rebalance_refuses_bad_load():
         rebalance(torch.ones(1, 4), 5, 2)
     with pytest.raises(ValueError, match=r"\[layers, experts\]"):
         rebalance(torch.ones(4), 4, 2)
+    # (these two raised IndexError / ZeroDivisionError from inside the balancer)
+    with pytest.raises(ValueError, match="rebalance: the load window has no steps"):
+        rebalance(torch.ones(0, 1, 4), 6, 2)
+    with pytest.raises(ValueError, match="multiple of num_ranks"):
+        rebalance(torch.ones(1, 4), 4, 0)
 
 
 def test_rank_loads_refuse_a_load_of_other_sizes(gen):

@@ -265,8 +265,10 @@ def rebalance(load: torch.Tensor, num_physical: int, num_ranks: int) -> Placemen
     """A balanced placement for `load` ([layers, experts] or a window [steps, layers, experts]
     of per-step token counts per logical expert, the same on every rank)."""
     w = _window(load)
-    _, L, E = w.shape
-    if num_physical < E or num_physical % num_ranks:
+    W, L, E = w.shape
+    if W == 0:
+        raise ValueError("rebalance: the load window has no steps")
+    if num_ranks < 1 or num_physical < E or num_physical % num_ranks:
         raise ValueError(f"rebalance: num_physical ({num_physical}) must be >= the {E} experts "
                          f"and a multiple of num_ranks ({num_ranks})")
     p2l = torch.stack([_place(w[:, layer], _replicate(w[:, layer], num_physical - E), num_ranks)
