@@ -126,6 +126,40 @@ def test_rebalance_is_deterministic_and_load_only(gen):
     assert a.same_as(b)
 
 
+def test_rebalance_never_worsens_the_current_placement(gen):
+    # Replicating first and packing second can lose to the placement in use: one hot expert of
+    # ten on 2 ranks with 2 spare slots gets 3 copies, two on one rank (imbalance 1.30), while
+    # the initial placement's 2 copies on 2 ranks balance exactly. Given `current`, a layer
+    # keeps it unless the fresh slots lower its summed per-step peak.
+    hot = torch.ones(1, 1, 10)
+    hot[0, 0, 0] = 100
+    start = initial_placement(1, 10, 12, 2)
+    assert imbalance(hot, rebalance(hot, 12, 2)) > 1.25  # the greedy result alone
+    assert rebalance(hot, 12, 2, current=start).same_as(start)
+    for _ in range(20):
+        E = int(torch.randint(4, 12, (1,), generator=gen))
+        N = int(torch.randint(2, 5, (1,), generator=gen))
+        P = num_physical_experts(E, N, int(torch.randint(0, 4, (1,), generator=gen)))
+        L = 3
+        # a random current placement: every expert once, the spare slots random, shuffled
+        p2l = torch.stack([torch.cat([torch.arange(E), torch.randint(0, E, (P - E,),
+                                                                     generator=gen)])
+                           [torch.randperm(P, generator=gen)] for _ in range(L)])
+        cur = Placement.from_phys_to_logical(p2l, E, N)
+        load = (torch.rand(4, L, E, generator=gen) ** 4 * 100).round()
+        fresh = rebalance(load, P, N)
+        got = rebalance(load, P, N, current=cur)
+        peak = lambda pl: rank_loads(load, pl).amax(2).sum(0)  # noqa: E731
+        assert (peak(got) <= peak(cur) + 1e-9).all()
+        assert (peak(got) <= peak(fresh) + 1e-9).all()
+        for layer in range(L):  # each layer is one of the two, whole
+            row = got.phys_to_logical[layer]
+            assert (torch.equal(row, cur.phys_to_logical[layer])
+                    or torch.equal(row, fresh.phys_to_logical[layer]))
+    with pytest.raises(ValueError, match="rebalance: current is a placement of 1 layers"):
+        rebalance(torch.ones(1, 2, 10), 12, 2, current=start)
+
+
 def test_rebalance_refuses_bad_load():
     with pytest.raises(ValueError, match="non-negative"):
         rebalance(torch.tensor([[1, -2, 3, 4]]), 4, 2)

@@ -266,7 +266,13 @@ def _one_rank_worker(rank, world, device, seed):
     name = "dummy:tiny"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     # (rebalanced every 3 engine rounds: the graphs must then be recaptured, or they would
-    # read the old replica tables and prepacked weights)
+    # read the old replica tables and prepacked weights. On one rank every placement balances
+    # alike, so the balancer would keep the current one: take its fresh placements instead, to
+    # exercise the moves.)
+    import zeroinfer.parallel.expert_parallel as ep_module
+    from zeroinfer.parallel import eplb
+
+    ep_module.rebalance = lambda load, p, n, current=None: eplb.rebalance(load, p, n)
     ep = ExpertParallel.for_model(model_config(name), redundant_experts=3, device=device,
                                   load_window=1, rebalance_interval=3)
     m, full = load(name, dtype=dtype, device=device, ep=ep), load(name, dtype=dtype, device=device)

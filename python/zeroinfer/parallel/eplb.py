@@ -261,9 +261,14 @@ def _best_swap(per, experts, members, held, rl, top, a: int, min_gain: float):
     return a, i, int(b[bi]), j
 
 
-def rebalance(load: torch.Tensor, num_physical: int, num_ranks: int) -> Placement:
+def rebalance(load: torch.Tensor, num_physical: int, num_ranks: int,
+              current: Placement | None = None) -> Placement:
     """A balanced placement for `load` ([layers, experts] or a window [steps, layers, experts]
-    of per-step token counts per logical expert, the same on every rank)."""
+    of per-step token counts per logical expert, the same on every rank). With `current`, a
+    layer keeps current's slots unless the new ones lower its summed per-step peak rank load:
+    the greedy balancer (replicate, then pack) can do worse than the placement in use - e.g. a
+    hot expert given 3 copies on 2 ranks, two of them on one rank - and a move that does not
+    help only costs its weight transfer."""
     w = _window(load)
     W, L, E = w.shape
     if W == 0:
@@ -273,6 +278,20 @@ def rebalance(load: torch.Tensor, num_physical: int, num_ranks: int) -> Placemen
                          f"and a multiple of num_ranks ({num_ranks})")
     p2l = torch.stack([_place(w[:, layer], _replicate(w[:, layer], num_physical - E), num_ranks)
                        for layer in range(L)]) if L else torch.zeros(0, num_physical)
+    fresh = Placement.from_phys_to_logical(p2l, E, num_ranks)
+    if current is None:
+        return fresh
+    current = current.to("cpu")
+    if (current.num_layers, current.num_logical, current.num_physical, current.num_ranks) != (
+            L, E, num_physical, num_ranks):
+        raise ValueError(f"rebalance: current is a placement of {current.num_layers} layers x "
+                         f"{current.num_logical} experts in {current.num_physical} slots on "
+                         f"{current.num_ranks} ranks; the load and arguments ask for {L} x {E} "
+                         f"in {num_physical} on {num_ranks}")
+    peak_fresh = rank_loads(w, fresh).amax(2).sum(0)  # [L]
+    peak_now = rank_loads(w, current).amax(2).sum(0)
+    better = peak_fresh < peak_now * (1 - 1e-9)  # (equal: no move)
+    p2l = torch.where(better.unsqueeze(1), fresh.phys_to_logical, current.phys_to_logical)
     return Placement.from_phys_to_logical(p2l, E, num_ranks)
 
 

@@ -127,7 +127,8 @@ class ExpertParallel:
         if self.load is None or self.load.steps == 0:
             raise RuntimeError("ExpertParallel.rebalance: no expert load was counted "
                                "(load_window=0, or no step ended yet)")
-        new = rebalance(self.load.window_load(self.group), self.placement.num_physical, self.size)
+        new = rebalance(self.load.window_load(self.group), self.placement.num_physical, self.size,
+                        current=self.placement)
         if new.same_as(self.placement):
             return False
         move_experts(layers, self.placement, new, self.rank, self.group)
