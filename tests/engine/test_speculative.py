@@ -357,3 +357,60 @@ def test_abort_before_the_device_runs_the_round(model, gen):
         else:
             assert (r.output_ids, r.finish_reason) == (out, reason), i
     eng.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["sync", "pipelined"])
+def test_acceptance_counts_are_the_drafts_that_became_tokens(model, gen, graphs):
+    """Every draft right (the host's drafter, and the device's for pipelined rounds, both
+    drafting from plain decoding's continuation, full rows): each request's counts are the
+    rounds' arithmetic - its first token from the prompt round, then rows of 1 + D tokens
+    until its end - so num_accepted is the tokens that took no round of their own. Drafts
+    verified past max_tokens (a pipelined row has D whatever the request has left) or past a
+    stop token inside the accepted drafts are no tokens, and must not be counted as kept."""
+    V = model.config.vocab_size
+    D = int(torch.randint(2, 5, (1,), generator=gen))
+    prompts = [torch.randint(2, V, (int(torch.randint(3, 16, (1,), generator=gen)),),
+                             generator=gen).tolist() for _ in range(3)]
+    plain = LLMEngine(model, EngineConfig(max_num_seqs=3, max_model_len=64), seed=0)
+    long = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+    outs = [r.output_ids for r in [plain.add_request(p, long) for p in prompts]]
+    plain.finish()
+    plain.close()
+    params = []
+    for i, o in enumerate(outs):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        # the first request stops at a draft with drafts after it in its row (1 + D tokens a
+        # row from its second token on), where a stop token it had not drawn before is
+        at = [s for s in range(1, 12) if (s - 1) % (1 + D) < D - 1 and o[s] not in o[:s]]
+        stops = ()
+        if at and (i == 0 or torch.rand(1, generator=gen) < 0.5):
+            s = at[int(torch.randint(0, len(at), (1,), generator=gen))]
+            stops, n = (o[s],), 16  # the stop token ends it at s + 1, not max_tokens
+        params.append(SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0,
+                                     stop_token_ids=stops))
+    eng = LLMEngine(model, EngineConfig(max_num_seqs=3, max_model_len=64, decode_graphs=graphs,
+                                        speculative=SpeculativeConfig(D)), seed=0)
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    if graphs:
+        assert eng.spec_pipelined
+        # (the requests take slots 0, 1, 2 in order when admitted)
+        draft_on_device_by_slot(eng, {i: p + o for i, (p, o) in enumerate(zip(prompts, outs))},
+                                0.0)
+    else:
+        rng = random.Random(0)
+        for r, o in zip(reqs, outs):
+            r.drafter = FutureDrafter(o, rng, 0.0, V, full=True)
+    eng.finish()
+    assert eng.blocks.all_free()
+    for r, o, sp in zip(reqs, outs, params):
+        n = len(r.output_ids)
+        assert r.output_ids == o[:n] and (n == sp.max_tokens or r.finish_reason == "stop")
+        rounds = -(-(n - 1) // (1 + D))  # the verification rows after the prompt's
+        assert r.num_accepted == n - 1 - rounds, (D, n, r.num_drafted, r.num_accepted)
+        assert r.num_accepted <= r.num_drafted
+        if not sp.stop_token_ids:  # (else drafts past the stop were verified too)
+            assert r.num_drafted == r.num_accepted
+    s = eng.scheduler
+    assert s.num_accepted == sum(r.num_accepted for r in reqs)
+    assert s.num_drafted == sum(r.num_drafted for r in reqs)
+    eng.close()

@@ -331,18 +331,23 @@ class Scheduler:
                     start, ids, n, _ = result.rows[i]
                     drafts = ids[1:1 + n]
                 kept = accepted_prefix(drafts, result.tokens[first:k])
-                self.num_drafted += len(drafts)
-                self.num_accepted += kept
-                req.num_drafted += len(drafts)
-                req.num_accepted += kept
+                # counted: the drafts the request had room for (a pipelined row verifies its
+                # d whatever max_tokens / max_model_len leave; a host-built row has no more)
+                verified = min(len(drafts), self._draft_room(req, start))
+                self.num_drafted += verified
+                req.num_drafted += verified
                 emit = 1 + kept
                 req.num_computed = start + emit  # the rejected drafts' K/V is stale
+            out0 = len(req.output_ids)
             for j in range(first, first + emit):
                 reason = self._append(req, result, j, on_token)
                 if reason is not None:
                     self._finish(req, reason)
                     finished.append(req)
                     break
+            if emit > 1:  # kept: the drafts that became tokens (none past a stop or the end)
+                self.num_accepted += len(req.output_ids) - out0 - 1
+                req.num_accepted += len(req.output_ids) - out0 - 1
             if i in result.drafts and not req.finished:  # (after _append's extend)
                 req.drafter.drafts = result.drafts[i]
             if req.drafter is not None and not req.finished:
