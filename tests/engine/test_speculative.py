@@ -414,3 +414,25 @@ def test_acceptance_counts_are_the_drafts_that_became_tokens(model, gen, graphs)
     assert s.num_accepted == sum(r.num_accepted for r in reqs)
     assert s.num_drafted == sum(r.num_drafted for r in reqs)
     eng.close()
+
+
+def test_prompt_logits_request_verifies_no_drafts(model, gen):
+    """A prompt-scoring request (add_request(..., prompt_logits=True)) samples nothing: its
+    logits are one row a prompt token, as without speculation, also where its last prompt
+    chunk is a single token that the drafter could continue (a repeated prompt)."""
+    V = model.config.vocab_size
+    chunk = int(torch.randint(4, 12, (1,), generator=gen))
+    motif = torch.randint(2, V, (int(torch.randint(1, 4, (1,), generator=gen)),),
+                          generator=gen).tolist()
+    prompt = (motif * 20)[:chunk * int(torch.randint(1, 3, (1,), generator=gen)) + 1]
+    got = {}
+    for spec in (None, SpeculativeConfig(int(torch.randint(1, 5, (1,), generator=gen)))):
+        eng = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64,
+                                            max_num_batched_tokens=chunk, speculative=spec))
+        req = eng.add_request(prompt, SamplingParams(max_tokens=16), prompt_logits=True)
+        eng.finish()
+        assert eng.blocks.all_free() and req.finish_reason == "length" and not req.output_ids
+        got[spec is None] = torch.cat(req.prompt_logits)
+        eng.close()
+    assert got[True].shape == (len(prompt), V)
+    torch.testing.assert_close(got[False], got[True], rtol=1e-5, atol=1e-5)

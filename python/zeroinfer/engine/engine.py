@@ -227,7 +227,8 @@ class LLMEngine:
             from zeroinfer.tokenizer import IncrementalDetokenizer
 
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.stop)
-        if self.cfg.speculative is not None:
+        if self.cfg.speculative is not None and not prompt_logits:
+            # (a prompt-scoring request samples nothing: drafts would only add logits rows)
             spec = self.cfg.speculative
             req.drafter = (DeviceDrafts() if spec.method == "mtp"
                            else NgramIndex(req.prompt_ids, spec.min_ngram, spec.max_ngram))
