@@ -76,7 +76,7 @@ def _pass(model, prompts, params, spec, drafter, futures, seed, graphs=None
     eng = LLMEngine(model, cfg, seed=0)
     right = float(drafter.split("@")[1]) if drafter.startswith("oracle") else None
 
-    def one(timed: bool) -> tuple[float, list]:
+    def one(timed: bool) -> tuple[float, list, int]:
         rng = random.Random(seed)
         reqs = [eng.add_request(p, params) for p in prompts]
         if right is not None:  # (the host's drafter, for synchronous rounds)
@@ -92,11 +92,12 @@ def _pass(model, prompts, params, spec, drafter, futures, seed, graphs=None
             eng.scheduler.num_drafted = eng.scheduler.num_accepted = 0
             eng.scheduler.num_pipelined = 0
             eng.host_time = dict.fromkeys(eng.host_time, 0.0)
+        rounds0 = eng.rounds  # (the prefill round above is not timed: not counted either)
         t0 = time.perf_counter()
         eng.finish()
         if model.device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0, [r.output_ids for r in reqs]
+        return time.perf_counter() - t0, [r.output_ids for r in reqs], eng.rounds - rounds0
 
     eng.warmups = 0
     while eng.warmups < MAX_WARMUPS:
@@ -107,13 +108,11 @@ def _pass(model, prompts, params, spec, drafter, futures, seed, graphs=None
             break
     captures0, walls, outs = graph_captures(), [], []
     for _ in range(TIMED_PASSES):  # (the counters read after are the last pass's)
-        rounds0 = eng.rounds
-        wall, out = one(timed=True)
+        wall, out, eng.timed_rounds = one(timed=True)
         walls.append(wall)
         outs.append(out)
     # (a pass whose tokens differ from the first's is the one returned, for the caller's check)
     outputs = next((o for o in outs[1:] if o != outs[0]), outs[0])
-    eng.timed_rounds = eng.rounds - rounds0
     eng.timed_captures = captured_classes(captures0)
     eng.pass_spread = max(walls) / min(walls)
     return statistics.median(walls), outputs, eng

@@ -369,3 +369,28 @@ def test_write_results_records_commit_machine_and_folder(tmp_path, monkeypatch):
     assert doc["commit"] in (head, head + "-dirty")
     monkeypatch.setenv("ZEROINFER_COMMIT", "abc1234")
     assert bench.git_commit() == "abc1234"
+
+
+def test_speculative_bench_counts_only_the_timed_rounds(bench_dir):
+    """bench_speculative's tokens_per_round / fraction_of_ideal / host us per round divide by
+    the rounds of the timed region (after the prefill round, which the wall time leaves out).
+    By hand: plain decoding of L tokens makes one token a decode round, so L - 1 rounds; a
+    drafter that is always right with d drafts makes d + 1 a round, so ceil((L - 1) / (d + 1))."""
+    from bench_speculative import _pass
+
+    from zeroinfer.engine.speculative import SpeculativeConfig
+    from zeroinfer.model import load
+    from zeroinfer.sampling_params import SamplingParams
+
+    model = load("dummy", dtype=torch.float32, device="cpu", mtp=True)
+    L, d = 7, 2
+    params = SamplingParams(max_tokens=L, ignore_eos=True, temperature=0.0)
+    prompts = [[5, 6, 7, 8, 9, 10]]
+    _, plain, eng = _pass(model, prompts, params, None, "plain", None, 1)
+    eng.close()
+    assert eng.timed_rounds == L - 1
+    _, out, eng = _pass(model, prompts, params, SpeculativeConfig(d, method="ngram"),
+                        "oracle@1.0", plain, 1)
+    eng.close()
+    assert out == plain
+    assert eng.timed_rounds == -(-(L - 1) // (d + 1))
