@@ -2,6 +2,7 @@
 records are cut into calls, on synthetic records, and one real measurement on the GPU."""
 
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -369,6 +370,30 @@ def test_write_results_records_commit_machine_and_folder(tmp_path, monkeypatch):
     assert doc["commit"] in (head, head + "-dirty")
     monkeypatch.setenv("ZEROINFER_COMMIT", "abc1234")
     assert bench.git_commit() == "abc1234"
+
+
+def test_commit_is_dirty_for_source_changes_not_result_files(tmp_path, monkeypatch):
+    """A sweep writes one benchmark's JSON before the next reads the commit: a changed file under
+    bench/results/ must not mark it -dirty (four cpu-2core files said -dirty for that alone),
+    a changed source file must."""
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=tmp_path, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    (tmp_path / "bench" / "results" / "cpu").mkdir(parents=True)
+    (tmp_path / "src.py").write_text("x = 1\n")
+    (tmp_path / "bench" / "results" / "cpu" / "a.json").write_text("{}\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = git("rev-parse", "HEAD")
+    monkeypatch.delenv("ZEROINFER_COMMIT", raising=False)
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    assert bench.git_commit() == head
+    (tmp_path / "bench" / "results" / "cpu" / "a.json").write_text('{"rows": []}\n')
+    assert bench.git_commit() == head
+    (tmp_path / "src.py").write_text("x = 2\n")
+    assert bench.git_commit() == head + "-dirty"
 
 
 def test_speculative_bench_counts_only_the_timed_rounds(bench_dir):
