@@ -52,12 +52,16 @@ def test_no_tokens(gen):
 
 def test_comb_is_doubly_stochastic(gen):
     """After the Sinkhorn iterations (columns last) every column sums to 1 up to eps, and the
-    rows come close (20 iterations leave up to ~4e-3 on some draws, the float64 reference
-    too); pre > eps, post in (0, 2)."""
+    rows sum to what the float64 reference's rows sum to: 20 iterations leave them off 1 by
+    what the draw makes them (up to ~2e-2 on rare draws, the reference too), so 1 is no fixed
+    bound; they are still near it. pre > eps, post in (0, 2)."""
     z, scale, base = random_inputs(gen, 200, 4, spread=1.0)
     pre, post, comb = mhc_mixes(z, scale, base, streams=4, iters=20, eps=1e-6)
+    ref = mhc_mixes_ref(z.double(), scale.double(), base.double(), streams=4, iters=20,
+                        eps=1e-6)[2]
     torch.testing.assert_close(comb.sum(-2), torch.ones(200, 4), atol=1e-5, rtol=0)
-    torch.testing.assert_close(comb.sum(-1), torch.ones(200, 4), atol=2e-2, rtol=0)
+    torch.testing.assert_close(comb.sum(-1).double(), ref.sum(-1), atol=1e-4, rtol=0)
+    torch.testing.assert_close(comb.sum(-1), torch.ones(200, 4), atol=0.1, rtol=0)
     assert (pre > 1e-6).all() and (post > 0).all() and (post < 2).all()
 
 
