@@ -346,8 +346,9 @@ class Scheduler:
                     finished.append(req)
                     break
             if emit > 1:  # kept: the drafts that became tokens (none past a stop or the end)
-                self.num_accepted += len(req.output_ids) - out0 - 1
-                req.num_accepted += len(req.output_ids) - out0 - 1
+                kept_tokens = len(req.output_ids) - out0 - 1
+                self.num_accepted += kept_tokens
+                req.num_accepted += kept_tokens
             if i in result.drafts and not req.finished:  # (after _append's extend)
                 req.drafter.drafts = result.drafts[i]
             if req.drafter is not None and not req.finished:
